@@ -1,0 +1,119 @@
+"""Messages between the router and the workers (ZMQ, encoded by `engine.wire`).
+
+Request path: the router sends `PrefillRequest` to a prefill worker (disaggregated) or
+`GenerateRequest` to a decode worker (local prefill). Every worker streams `TokenMessage`s to
+the router's `reply_to` endpoint; each carries the request id and the output index of its first
+token so the router can merge the first token (from prefill) with the rest (from decode).
+`AbortRequest` goes to whichever worker may hold the request. The KV hand-off messages between
+prefill and decode workers live in `kv_transfer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+from engine.wire import message
+
+
+def _check_ids(name: str, ids: list[int]) -> None:
+    if not isinstance(ids, list) or any(
+        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
+    ):
+        raise ValueError(f"{name} must be a list of non-negative ints")
+
+
+def _check_rid(rid: str) -> None:
+    if not isinstance(rid, str) or not rid or len(rid) > 256:
+        raise ValueError("request_id must be a non-empty string of at most 256 chars")
+
+
+@message("generate")
+@dataclass(slots=True)
+class GenerateRequest:
+    """Whole request for one worker: prefill and decode both run there (local prefill)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str  # ZMQ endpoint of the router's token sink
+
+    def __post_init__(self) -> None:
+        _check_rid(self.request_id)
+        _check_ids("prompt_token_ids", self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError("sampling must be SamplingParams")
+
+
+@message("prefill")
+@dataclass(slots=True)
+class PrefillRequest:
+    """Prefill on a prefill worker, then hand the KV to `decode_worker_id`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str
+    decode_worker_id: str
+    decode_endpoint: str  # where the prefill worker sends the KV hand-off
+
+    def __post_init__(self) -> None:
+        _check_rid(self.request_id)
+        _check_ids("prompt_token_ids", self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError("sampling must be SamplingParams")
+
+
+@message("tokens")
+@dataclass(slots=True)
+class TokenMessage:
+    request_id: str
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    worker_id: str = ""
+    prefill_worker_id: str = ""  # set on the first token: where the prefill ran
+    num_cached_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _check_rid(self.request_id)
+        _check_ids("token_ids", self.token_ids)
+        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
+            raise ValueError("index must be a non-negative int")
+        if self.finish_reason not in (None, "stop", "length", "abort", "error"):
+            raise ValueError(f"bad finish_reason {self.finish_reason!r}")
+
+
+@message("abort")
+@dataclass(slots=True)
+class AbortRequest:
+    request_id: str
+    reason: str = "client disconnected"
+
+    def __post_init__(self) -> None:
+        _check_rid(self.request_id)
+
+
+@message("shutdown")
+@dataclass(slots=True)
+class Shutdown:
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class WorkerLoad:
+    """A worker's load as the router's policies see it (reported through the controller)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int
+    extra: dict = field(default_factory=dict)
