@@ -1,0 +1,49 @@
+"""The attention backend interface and backend selection.
+
+A backend writes the step's new K/V into the paged cache and returns attention output for
+the step's queries. It reads the per-step metadata from `engine.forward_context`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol
+
+import torch
+
+from engine.kv_cache import KVCache
+
+BACKENDS = ("auto", "torch", "flash_attn")
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,  # [tokens, heads, head_dim], rope applied
+        k: torch.Tensor,  # [tokens, kv_heads, head_dim]
+        v: torch.Tensor,
+        cache: KVCache,
+    ) -> torch.Tensor: ...
+
+
+def flash_attn_available(device: torch.device) -> bool:
+    return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+
+
+def select_backend(
+    name: str, device: torch.device, scale: float, sliding_window: int | None
+) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    if name == "flash_attn" or (name == "auto" and flash_attn_available(device)):
+        if not flash_attn_available(device):
+            raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")
+        from engine.attention.flash_attn_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend(scale, sliding_window)
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(scale, sliding_window)

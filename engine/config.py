@@ -1,0 +1,138 @@
+"""Model and engine configuration.
+
+`ModelConfig` reads a Hugging Face config.json through transformers' AutoConfig, so checkpoints
+written by transformers 4.x (`rope_scaling`, `rope_theta`) and 5.x (`rope_parameters`) both
+load; the rotary tables themselves come from the architecture's own HF rotary class (see
+`engine.models.rope`), which keeps every rope variant token-exact with the reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    hf_config: Any = field(compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        from transformers import AutoConfig
+
+        path = str(path)
+        if not Path(path, "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json (a local HF model directory)")
+        hf = AutoConfig.from_pretrained(path)
+        archs = getattr(hf, "architectures", None) or []
+        arch = archs[0] if archs else ""
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False))
+        o_bias = arch != "Qwen2ForCausalLM" and bool(getattr(hf, "attention_bias", False))
+        sliding = getattr(hf, "sliding_window", None)
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
+            hf, "use_sliding_window", False
+        ):
+            sliding = None
+        eos = _eos_ids(path, hf)
+        return cls(
+            path=path,
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_position=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=sliding,
+            eos_token_ids=eos,
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            hf_config=hf,
+        )
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + emb + h
+
+
+def _eos_ids(path: str, hf) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (it may list several), else config."""
+    ids: list[int] = []
+    gen = Path(path, "generation_config.json")
+    if gen.is_file():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids += value if isinstance(value, list) else [value] if value is not None else []
+    value = getattr(hf, "eos_token_id", None)
+    ids += value if isinstance(value, list) else [value] if value is not None else []
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,44 @@
+"""Per-step attention metadata, visible to every attention layer during one forward pass.
+
+`forward_context(meta)` sets it and always resets it (try/finally), so a failed step can
+never leak one batch's block tables into the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's KV goes
+    query_start: list[int]  # [num_seqs + 1] offsets of each sequence's tokens in the batch
+    num_computed: list[int]  # [num_seqs] tokens already in the cache before this step
+    context_lens: list[int]  # [num_seqs] cache length after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
+    decode_idx: torch.Tensor  # sequences with one new token, batched together
+    prefill_idx: list[int]  # sequences with several new tokens, run one by one
+    decode_context_lens: torch.Tensor  # context_lens of decode_idx sequences
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+@contextmanager
+def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _CONTEXT
+    _CONTEXT = meta
+    try:
+        yield meta
+    finally:
+        _CONTEXT = None
+
+
+def get_forward_context() -> AttentionMetadata:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside forward_context()")
+    return _CONTEXT

@@ -1,0 +1,133 @@
+"""Offline entry point: `LLM(model).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+def load_tokenizer(model: str):
+    """The model directory's tokenizer, or None when it has none."""
+    if not any(Path(model, f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "bfloat16",
+        load_format: str = "auto",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        attention_backend: str = "auto",
+        seed: int = 0,
+        **kwargs,
+    ):
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=str(model),
+                dtype=dtype,
+                load_format=load_format,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                enable_chunked_prefill=enable_chunked_prefill,
+                attention_backend=attention_backend,
+                seed=seed,
+                **kwargs,
+            )
+        )
+        self.tokenizer = load_tokenizer(str(model))
+        self._ids = itertools.count()
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this model directory has none")
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError("each prompt must be a string or a list of token ids")
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        sampling_params = sampling_params or SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} sampling params for {len(prompts)} prompts"
+            )
+        engine = self.engine
+        encoded = [self._encode(p) for p in prompts]
+        for ids in encoded:  # validate all before admitting any: all or nothing
+            engine.validate_prompt(ids)
+        rids = [f"gen-{next(self._ids)}" for _ in prompts]
+        for rid, ids, sp in zip(rids, encoded, sampling_params, strict=True):
+            engine.add_request(rid, ids, sp)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(rids), desc="generating", unit="req")
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finish_reason is not None and bar is not None:
+                        bar.update()
+        except BaseException:
+            for rid in rids:
+                engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self._result(rid) for rid in rids]
+
+    def _result(self, rid: str) -> RequestOutput:
+        seq = self.engine.pop_finished(rid)
+        assert seq is not None, f"{rid} did not finish"
+        out = seq.output_token_ids
+        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
+        tpot = None
+        if seq.finish_time and seq.first_token_time and len(out) > 1:
+            tpot = (seq.finish_time - seq.first_token_time) / (len(out) - 1)
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return RequestOutput(
+            request_id=rid,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            token_ids=out,
+            text=text,
+            finish_reason=seq.finish_reason,
+            ttft=ttft,
+            tpot=tpot,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics={"preemptions": seq.num_preemptions},
+        )

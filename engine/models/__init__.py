@@ -1,0 +1,6 @@
+"""Model definitions. One implementation covers the Llama family (Llama 2/3, Mistral,
+Qwen2/2.5, Qwen3); the differences are configuration (biases, q/k norm, head_dim, tying)."""
+
+from engine.models.llama import CausalLM
+
+__all__ = ["CausalLM"]
