@@ -1,0 +1,394 @@
+"""`tandem make-model`: write a seeded random-weight Hugging Face checkpoint.
+
+Lifecycle: pick a `ModelShape` (arch x preset) -> train (or reuse) the byte-level BPE
+tokenizer -> build the transformers config -> instantiate the model in float32 -> re-initialise
+every parameter from a generator seeded by (seed, parameter name) -> `save_pretrained`
+(config.json, model.safetensors, generation_config.json) -> save the tokenizer
+(tokenizer.json, tokenizer_config.json with a chat template).
+
+The checkpoint is what `load_format="auto"` reads and what the correctness tests compare
+against: Hugging Face transformers loads it with `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained`. Each architecture exercises a different corner of the Llama
+family so a runtime that gets one of them wrong cannot pass on the others:
+
+- llama:   GQA, llama3 rope scaling (original context 256, so it matters at 1024+ positions)
+- mistral: MHA (kv heads == heads), no sliding window, 3 layers in `tiny`
+- qwen2:   GQA, q/k/v biases, tied input/output embeddings
+- qwen3:   MQA (1 kv head), head_dim != hidden/heads, per-head q/k RMSNorm
+
+Weights are not HF's default init: the norms are 1 + 0.1*N(0,1) (so a runtime that ignores
+them fails), biases and q/k norms are non-zero, q/k projections are scaled so attention
+scores have a standard deviation near 1 (attention is not uniform averaging, so masking and
+RoPE mistakes show), and the output embedding gives logits with a standard deviation near 2
+(greedy decoding has clear winners). Same (arch, preset, seed) -> byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import math
+import pathlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+PRESETS = ("tiny", "small")
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+TURN_TOKEN = "<|im_start|>"
+# Fixed ids 0..3: the trainer places special tokens first, in this order.
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, TURN_TOKEN)
+
+# ChatML-like: each turn is "<|im_start|>{role}\n{content}<|eos|>\n", so one stop token
+# (eos) ends both a plain completion and an assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Qwen2's split (Llama 3's, with single digits): words, numbers, punctuation runs, newlines.
+_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelShape:
+    """The numbers that define one (arch, preset) checkpoint."""
+
+    arch: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {ARCHS}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+        if self.vocab_size < 256 + len(SPECIAL_TOKENS):
+            raise ValueError("vocab_size must hold the 256 byte tokens and the special tokens")
+        if self.max_position_embeddings < 1:
+            raise ValueError("max_position_embeddings must be positive")
+
+    def num_parameters(self) -> int:
+        """Parameter count without instantiating (tied embeddings counted once)."""
+        h, q = self.hidden_size, self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h
+        if self.arch == "qwen2":
+            attn += q + 2 * kv  # q/k/v biases
+        if self.arch == "qwen3":
+            attn += 2 * self.head_dim  # q_norm, k_norm
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h  # input and post-attention norms
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * per_layer + embed + h  # + final norm
+
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+_SHAPES: dict[tuple[str, str], ModelShape] = {
+    ("llama", "tiny"): ModelShape(
+        "llama", 128, 2, 4, 2, 32, 352, 1024, 1024, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
+    ),
+    ("mistral", "tiny"): ModelShape("mistral", 128, 3, 4, 4, 32, 384, 1024, 1024, 10000.0, 1e-5),
+    ("qwen2", "tiny"): ModelShape(
+        "qwen2", 128, 2, 4, 2, 32, 384, 1024, 1024, 1000000.0, 1e-6, tie_word_embeddings=True
+    ),
+    ("qwen3", "tiny"): ModelShape("qwen3", 128, 2, 4, 1, 48, 384, 1024, 1024, 1000000.0, 1e-6),
+    ("llama", "small"): ModelShape(
+        "llama", 512, 8, 8, 4, 64, 1536, 8192, 2048, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
+    ),
+    ("mistral", "small"): ModelShape("mistral", 512, 8, 8, 8, 64, 1536, 8192, 2048, 10000.0, 1e-5),
+    ("qwen2", "small"): ModelShape(
+        "qwen2", 512, 8, 8, 2, 64, 2048, 8192, 2048, 1000000.0, 1e-6, tie_word_embeddings=True
+    ),
+    ("qwen3", "small"): ModelShape("qwen3", 512, 8, 8, 1, 96, 1536, 8192, 2048, 1000000.0, 1e-6),
+}
+
+
+def model_shape(arch: str, preset: str, max_position_embeddings: int | None = None) -> ModelShape:
+    """The shape for (arch, preset), optionally with a different context length."""
+    if (arch, preset) not in _SHAPES:
+        raise ValueError(
+            f"unknown arch/preset {arch!r}/{preset!r}; archs {ARCHS}, presets {PRESETS}"
+        )
+    shape = _SHAPES[(arch, preset)]
+    if max_position_embeddings is not None:
+        fields = asdict(shape)
+        fields["max_position_embeddings"] = max_position_embeddings
+        shape = ModelShape(**fields)
+    return shape
+
+
+def build_config(shape: ModelShape) -> Any:
+    """The transformers config object for `shape` (float32, token ids of our tokenizer)."""
+    import transformers
+
+    cls = getattr(transformers, _CONFIG_CLASSES[shape.arch])
+    kwargs: dict[str, Any] = {
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": shape.rms_norm_eps,
+        "rope_theta": shape.rope_theta,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "initializer_range": 0.02,
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "attention_dropout": 0.0,
+    }
+    if shape.rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(shape.rope_scaling)
+    if shape.arch == "mistral":
+        kwargs["sliding_window"] = None
+    if shape.arch in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+        kwargs["sliding_window"] = None
+        kwargs["max_window_layers"] = shape.num_hidden_layers
+    if shape.arch == "qwen3":
+        kwargs["attention_bias"] = False
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train the byte-level BPE once per vocab size per process; training is deterministic."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    from engine.tokenizer_corpus import ENGLISH_TEXT, synthetic_words
+
+    tok = Tokenizer(models.BPE())
+    # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds around tokenizer.json
+    # (it ignores the file's normalizer/pre-tokenizer for model_type qwen2), so every arch
+    # tokenizes the same whichever class AutoTokenizer picks.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # English weighted up so its merges come first; pseudo-words fill the rest of the vocab.
+    words = synthetic_words(max(2000, vocab_size * 4))
+    lines = [ENGLISH_TEXT] * 32 + [" ".join(words[i : i + 16]) for i in range(0, len(words), 16)]
+    tok.train_from_iterator(lines, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        # Reserved tokens so every id the model can emit decodes to something.
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    return tok.to_str()
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
+    """A `PreTrainedTokenizerFast` with exactly `vocab_size` tokens and a chat template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(_trained_tokenizer_json(vocab_size))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer: Any, out: pathlib.Path) -> None:
+    tokenizer.save_pretrained(out)
+    # Newer transformers writes the template to chat_template.jinja; older ones only read
+    # tokenizer_config.json. Keep it in both and name the class both major versions know.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["bos_token"], cfg["eos_token"], cfg["pad_token"] = BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+    # Qwen2Tokenizer (transformers 5) would add an "<|endoftext|>" unk token past the vocab.
+    cfg["unk_token"] = None
+    cfg["add_bos_token"] = False
+    cfg["add_eos_token"] = False
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+# ---------------------------------------------------------------------------- weights
+
+
+def _generator(seed: int, name: str) -> Any:
+    import torch
+
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def _init_std(name: str, shape: ModelShape) -> tuple[float, float]:
+    """(mean, std) for the parameter called `name`; see the module docstring for why."""
+    h = shape.hidden_size
+    if name.endswith("norm.weight"):  # input/post-attention/final norms and q_norm/k_norm
+        return 1.0, 0.1
+    if name.endswith(".bias"):
+        return 0.0, 0.2
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return 0.0, 2.0 / math.sqrt(h)  # logits std ~2 whether tied or not
+    if "q_proj" in name or "k_proj" in name:
+        return 0.0, 1.0 / math.sqrt(h)  # q, k ~unit scale: attention scores std ~1
+    if "o_proj" in name or "down_proj" in name:
+        # Residual branches scaled by depth so the residual stream stays bounded.
+        fan_in = (
+            shape.num_attention_heads * shape.head_dim
+            if "o_proj" in name
+            else shape.intermediate_size
+        )
+        return 0.0, 1.0 / math.sqrt(fan_in * 2 * shape.num_hidden_layers)
+    return 0.0, 1.0 / math.sqrt(h)  # v/gate/up: fan-in init
+
+
+def _reinitialise(model: Any, shape: ModelShape, seed: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied weights appear once
+            mean, std = _init_std(name, shape)
+            values = torch.randn(param.shape, generator=_generator(seed, name), dtype=torch.float32)
+            param.copy_(values * std + mean)
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def make_model(
+    out_dir: str | pathlib.Path,
+    arch: str = "llama",
+    preset: str = "tiny",
+    seed: int = 0,
+    max_position_embeddings: int | None = None,
+) -> pathlib.Path:
+    """Write a seeded random checkpoint for (arch, preset) into `out_dir`; return its path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    shape = model_shape(arch, preset, max_position_embeddings)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(shape.vocab_size, shape.max_position_embeddings)
+
+    config = build_config(shape)
+    torch.manual_seed(seed)  # HF's own init is overwritten, but keep it reproducible anyway
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32)
+    _reinitialise(model, shape, seed)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    _patch_config_json(out / "config.json", shape)
+    _save_tokenizer(tokenizer, out)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"make-model: {arch}/{preset} seed={seed} params={n_params:,} "
+        f"({n_params / 1e6:.2f}M) vocab={shape.vocab_size} -> {out}"
+    )
+    return out
+
+
+def _patch_config_json(path: pathlib.Path, shape: ModelShape) -> None:
+    """Write the legacy (4.x) spellings beside whatever this transformers version wrote.
+
+    transformers 5 stores rope settings under `rope_parameters` and the dtype under `dtype`;
+    4.x reads `rope_theta`, `rope_scaling` and `torch_dtype`. Both read the other's keys too,
+    but a runtime that reads config.json itself should find the classic ones.
+    """
+    cfg = json.loads(path.read_text())
+    cfg["rope_theta"] = shape.rope_theta
+    cfg["rope_scaling"] = dict(shape.rope_scaling) if shape.rope_scaling else None
+    cfg["torch_dtype"] = "float32"
+    cfg["head_dim"] = shape.head_dim
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", type=pathlib.Path, help="directory to write the checkpoint")
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-position-embeddings", type=int, default=None, help="override the context length"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    make_model(
+        args.out_dir,
+        arch=args.arch,
+        preset=args.preset,
+        seed=args.seed,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+    return 0
