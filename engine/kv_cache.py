@@ -116,7 +116,14 @@ class KVCache:
     ) -> None:
         """Store k/v ([tokens, kv_heads, head_dim]) at `slots` ([tokens], int64)."""
         bs = self.spec.block_size
-        blocks, offsets = slots // bs, slots % bs
+        self.write_at(layer, slots // bs, slots % bs, k, v)
+
+    def write_at(
+        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """`write` with the slots already split into block ids and in-block offsets (a step
+        writes the same slots in every layer, so a backend splits them once)."""
         kc, vc, ks, vs = self.layer_views(layer)
         if self.scales is None:
             kc[blocks, offsets] = k.to(kc.dtype)

@@ -151,6 +151,20 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def resume_request(
+        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+        sampling: SamplingParams,
+    ) -> None:
+        """Queue a request whose first outputs were produced elsewhere; its KV is recomputed
+        (prompt and outputs) like a preempted sequence, and it continues at the next index."""
+        if request_id in self.seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(list(prompt_token_ids) + list(output_token_ids))
+        seq = Sequence(request_id, list(prompt_token_ids), sampling)
+        seq.token_ids.extend(output_token_ids)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. False if unknown."""
         seq = self.seqs.pop(request_id, None)

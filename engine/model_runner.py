@@ -24,43 +24,50 @@ class ModelRunner:
         self.generator = torch.Generator().manual_seed(seed)
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        # Plain Python lists, then one tensor each: a decode step of 64 sequences would
+        # otherwise build a few hundred tiny tensors.
         bs = self.block_size
         ids: list[int] = []
-        pos_chunks, slot_chunks = [], []
+        positions: list[int] = []
+        slots: list[int] = []
         query_start, num_computed, context_lens, tables = [0], [], [], []
         decode_idx, prefill_idx = [], []
         for i, s in enumerate(plan.scheduled):
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
-            ids += seq.token_ids[c : c + n]
-            table = torch.tensor(seq.block_table, dtype=torch.int64)
-            p = torch.arange(c, c + n, dtype=torch.int64)
-            pos_chunks.append(p)
-            slot_chunks.append(table[p // bs] * bs + p % bs)
+            table = seq.block_table
+            if n == 1:
+                ids.append(seq.token_ids[c])
+                positions.append(c)
+                slots.append(table[c // bs] * bs + c % bs)
+                decode_idx.append(i)
+            else:
+                ids += seq.token_ids[c : c + n]
+                positions += range(c, c + n)
+                slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+                prefill_idx.append(i)
             query_start.append(query_start[-1] + n)
             num_computed.append(c)
             context_lens.append(c + n)
-            tables.append(seq.block_table)
-            (decode_idx if n == 1 else prefill_idx).append(i)
+            tables.append(table)
         width = max(len(t) for t in tables)
-        block_tables = torch.zeros(len(tables), width, dtype=torch.int64)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
+        padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
+        i64 = torch.int64
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_chunks).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=i64, device=dev),
             query_start=query_start,
             num_computed=num_computed,
             context_lens=context_lens,
-            block_tables=block_tables.to(dev),
-            decode_idx=torch.tensor(decode_idx, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=i64, device=dev),
+            decode_idx=torch.tensor(decode_idx, dtype=i64, device=dev),
             prefill_idx=prefill_idx,
             decode_context_lens=torch.tensor(
-                [context_lens[i] for i in decode_idx], dtype=torch.int64, device=dev
+                [context_lens[i] for i in decode_idx], dtype=i64, device=dev
             ),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        return input_ids, torch.cat(pos_chunks).to(dev), meta
+        input_ids = torch.tensor(ids, dtype=i64, device=dev)
+        return input_ids, torch.tensor(positions, dtype=i64, device=dev), meta
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[int]:
@@ -71,7 +78,9 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache, self.backend)
         if not rows:
             return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if len(rows) < hidden.shape[0]:  # a decode-only step samples every row: no gather
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        logits = self.model.compute_logits(hidden)
         samplers = [s.seq for s in plan.scheduled if s.samples]
         return sample(
             logits,

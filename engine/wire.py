@@ -112,9 +112,7 @@ def decode(frame: bytes, max_bytes: int = DEFAULT_MAX_FRAME_BYTES, expect: type 
     if len(frame) > max_bytes:
         raise WireError(f"frame of {len(frame)} bytes is over the {max_bytes}-byte limit")
     try:
-        outer = msgpack.unpackb(
-            frame, raw=False, strict_map_key=True, max_buffer_size=max_bytes
-        )
+        outer = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types
         raise WireError(f"frame is not valid msgpack: {e}") from e
     if not isinstance(outer, dict) or set(outer) != {"v", "t", "d"}:

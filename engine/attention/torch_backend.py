@@ -1,18 +1,32 @@
 """Reference attention in plain PyTorch (CPU and GPU), over the paged cache.
 
 Decodes (one new token) are batched: their K/V is gathered through the block tables into a
-padded [seqs, kv_len] view and one SDPA call with a length mask covers them all. Prefill
-chunks run one sequence at a time; a chunk with no cached prefix attends to its own fresh K/V
-(no gather), otherwise to the gathered cache with a causal mask offset by the cached length.
+padded [seqs, kv_len] view and one SDPA call with a length mask covers them all. What the
+decodes need besides K/V (rows, trimmed block tables, the mask) is built once per step and
+reused by every layer. Prefill chunks run one sequence at a time; a chunk with no cached prefix
+attends to its own fresh K/V (no gather), otherwise to the gathered cache with a causal mask
+offset by the cached length.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from engine.forward_context import get_forward_context
+from engine.forward_context import AttentionMetadata, get_forward_context
 from engine.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class _DecodePlan:
+    """What every layer's batched decode needs, derived once per step (not once per layer)."""
+
+    rows: torch.Tensor | None  # query rows of the decodes; None when they are rows 0..n-1
+    tables: torch.Tensor  # [b, blocks] block ids, trimmed to the longest decode context
+    ctx: int  # keys to attend to when b == 1 (then no mask is needed)
+    mask: torch.Tensor | None  # [b, 1, 1, keys] bool, None when b == 1 without a window
 
 
 class TorchAttentionBackend:
@@ -21,36 +35,72 @@ class TorchAttentionBackend:
     def __init__(self, scale: float, sliding_window: int | None = None):
         self.scale = scale
         self.sliding_window = sliding_window
+        self._plan_meta: AttentionMetadata | None = None
+        self._plan: _DecodePlan | None = None
+        self._blocks: torch.Tensor | None = None  # the step's slots split for KVCache.write_at
+        self._offsets: torch.Tensor | None = None
 
     def forward(self, layer, q, k, v, cache: KVCache) -> torch.Tensor:
         meta = get_forward_context()
-        cache.write(layer, meta.slot_mapping, k, v)
+        plan = self._decode_plan(meta, cache.spec.block_size, q.device)
+        cache.write_at(layer, self._blocks, self._offsets, k, v)
+        if plan is not None and plan.rows is None and not meta.prefill_idx:
+            return self._decode(layer, q, cache, plan)  # decode-only step: no scatter
         out = torch.empty_like(q)
-        if meta.decode_idx.numel():
-            self._decode(layer, q, out, cache, meta)
+        if plan is not None:
+            qd = q[: plan.tables.shape[0]] if plan.rows is None else q[plan.rows]
+            o = self._decode(layer, qd, cache, plan)
+            if plan.rows is None:
+                out[: o.shape[0]] = o
+            else:
+                out[plan.rows] = o
         for i in meta.prefill_idx:
             self._prefill_one(layer, i, q, k, v, out, cache, meta)
         return out
 
-    def _decode(self, layer, q, out, cache, meta) -> None:
-        idx = meta.decode_idx
-        rows = torch.as_tensor([meta.query_start[i] for i in idx.tolist()], device=q.device)
-        tables = meta.block_tables[idx]
-        kb, vb = cache.gather(layer, tables, q.dtype)  # [b, blocks, bs, h, d]
-        b = kb.shape[0]
-        kb = kb.reshape(b, -1, kb.shape[-2], kb.shape[-1]).transpose(1, 2)
-        vb = vb.reshape(b, -1, vb.shape[-2], vb.shape[-1]).transpose(1, 2)
-        pos = torch.arange(kb.shape[2], device=q.device)
-        lens = meta.decode_context_lens
-        mask = pos[None, :] < lens[:, None]
-        if self.sliding_window is not None:
-            mask &= pos[None, :] > (lens[:, None] - 1 - self.sliding_window)
-        qd = q[rows].unsqueeze(2)  # [b, h, 1, d]
+    def _decode_plan(self, meta: AttentionMetadata, bs: int, device) -> _DecodePlan | None:
+        if meta is self._plan_meta:
+            return self._plan
+        self._blocks, self._offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+        plan = None
+        if meta.decode_idx.numel():
+            idx = meta.decode_idx.tolist()
+            rows = [meta.query_start[i] for i in idx]
+            lens = [meta.context_lens[i] for i in idx]
+            nblocks = -(-max(lens) // bs)
+            contiguous = rows == list(range(len(rows)))
+            if contiguous and len(idx) == meta.block_tables.shape[0]:
+                tables = meta.block_tables[:, :nblocks]
+            else:
+                tables = meta.block_tables[meta.decode_idx, :nblocks]
+            mask = None
+            if len(idx) > 1 or self.sliding_window is not None:
+                pos = torch.arange(nblocks * bs, device=device)
+                lens_t = meta.decode_context_lens
+                m = pos[None, :] < lens_t[:, None]
+                if self.sliding_window is not None:
+                    m &= pos[None, :] > (lens_t[:, None] - 1 - self.sliding_window)
+                mask = m[:, None, None, :]
+            plan = _DecodePlan(
+                rows=None if contiguous else torch.tensor(rows, device=device),
+                tables=tables, ctx=lens[0], mask=mask,
+            )
+        self._plan_meta, self._plan = meta, plan
+        return plan
+
+    def _decode(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+        """qd: [b, heads, head_dim], one query per sequence. Returns the same shape."""
+        kb, vb = cache.gather(layer, plan.tables, qd.dtype)  # [b, blocks, bs, h, d]
+        b, h, d = kb.shape[0], kb.shape[-2], kb.shape[-1]
+        kb = kb.reshape(b, -1, h, d)
+        vb = vb.reshape(b, -1, h, d)
+        if plan.mask is None:  # a single sequence: attend to exactly its keys
+            kb, vb = kb[:, : plan.ctx], vb[:, : plan.ctx]
         o = F.scaled_dot_product_attention(
-            qd, kb, vb, attn_mask=mask[:, None, None, :], scale=self.scale,
-            enable_gqa=qd.shape[1] != kb.shape[1],
+            qd.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=plan.mask,
+            scale=self.scale, enable_gqa=qd.shape[1] != h,
         )
-        out[rows] = o.squeeze(2)
+        return o.squeeze(2)
 
     def _prefill_one(self, layer, i, q, k, v, out, cache, meta) -> None:
         start, end = meta.query_start[i], meta.query_start[i + 1]

@@ -1,0 +1,67 @@
+"""The Ray actor that hosts one worker: an engine plus its serving loop.
+
+Ray only places, restarts and health-checks it; requests and tokens travel on the worker's
+own ZMQ sockets and KV on NIXL. `role` picks the loop: "prefill" (PrefillServer), "decode"
+(DecodeServer) or "colocated" (a plain EngineServer doing prefill and decode).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+
+
+class WorkerActor:
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        engine_kwargs: dict,
+        bind_host: str = "127.0.0.1",
+        num_threads: int = 1,
+        lease_seconds: float = 30.0,
+        on_transfer_failure: str = "recompute",
+        log_level: str = "WARNING",
+    ):
+        import torch
+
+        logging.basicConfig(level=log_level, format="%(asctime)s %(name)s %(message)s")
+        # One worker per core share: never let two workers' thread pools fight.
+        torch.set_num_threads(max(1, num_threads))
+        if bind_host == "auto":
+            import ray
+
+            bind_host = ray.util.get_node_ip_address()
+        from engine.llm_engine import EngineConfig, LLMEngine
+
+        engine_role = {"prefill": "prefill", "decode": "decode"}.get(role, "colocated")
+        engine = LLMEngine(EngineConfig(**engine_kwargs, role=engine_role))
+        self.worker_id, self.role = worker_id, role
+        if role == "prefill":
+            from kv_transfer.agent import KVTransferAgent
+            from prefill_worker.server import PrefillServer
+
+            agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
+            self.server = PrefillServer(worker_id, engine, agent, bind_host)
+        elif role == "decode":
+            from decode_worker.server import DecodeServer
+            from kv_transfer.agent import KVTransferAgent
+
+            agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
+            self.server = DecodeServer(worker_id, engine, agent, bind_host, on_transfer_failure)
+        else:
+            from engine.engine_server import EngineServer
+
+            self.server = EngineServer(worker_id, "colocated", engine, bind_host)
+        self.server.start()
+
+    def info(self) -> dict:
+        return {"worker_id": self.worker_id, "role": self.role,
+                "request_endpoint": self.server.endpoint}
+
+    def load(self) -> dict:
+        return asdict(self.server.latest_load())
+
+    def stop(self) -> bool:
+        self.server.stop()
+        return True

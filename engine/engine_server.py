@@ -1,0 +1,230 @@
+"""An engine behind ZMQ sockets: the loop every worker runs (no Ray, no NIXL here).
+
+Lifecycle of one request: a `GenerateRequest` frame arrives on the PULL socket -> validated and
+added to the engine (a bad one is answered with an "error" TokenMessage at once) -> each engine
+step's new tokens go out as `TokenMessage`s to the request's `reply_to` PUSH socket -> the last
+one carries `finish_reason` and the request is forgotten. `AbortRequest` drops it wherever it
+is. Frames that are not valid msgpack, too large, or of an unknown type are logged and dropped;
+the loop keeps serving. Subclasses (the prefill and decode workers) add message types and
+per-iteration hooks for the KV hand-off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import TokenOutput
+from engine.protocol import AbortRequest, GenerateRequest, Shutdown, TokenMessage, WorkerLoad
+from engine.wire import DEFAULT_MAX_FRAME_BYTES, WireError, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class ReplySockets:
+    """One PUSH socket per destination endpoint, created on first use."""
+
+    def __init__(self, ctx: zmq.Context):
+        self.ctx = ctx
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def send(self, endpoint: str, msg) -> None:
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 100_000)
+            sock.connect(endpoint)
+            self._socks[endpoint] = sock
+        sock.send(encode(msg))
+
+    def close(self) -> None:
+        for s in self._socks.values():
+            s.close(linger=200)
+        self._socks.clear()
+
+
+class EngineServer:
+    def __init__(
+        self,
+        worker_id: str,
+        role: str,
+        engine: LLMEngine,
+        bind_host: str = "127.0.0.1",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ):
+        self.worker_id = worker_id
+        self.role = role
+        self.engine = engine
+        self.max_frame_bytes = max_frame_bytes
+        self.ctx = zmq.Context()
+        self.requests = self.ctx.socket(zmq.PULL)
+        self.requests.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self.requests.setsockopt(zmq.RCVHWM, 100_000)
+        self.requests.bind(f"tcp://{bind_host}:*")
+        self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.replies = ReplySockets(self.ctx)
+        self.reply_to: dict[str, str] = {}  # request id -> router endpoint
+        self.num_bad_frames = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(self.requests, zmq.POLLIN)
+        self._load_time = 0.0
+        self._latest_load: WorkerLoad | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._latest_load = self.load()  # built here: subclasses are fully set up by now
+        self._thread = threading.Thread(target=self._serve, name=f"engine-{self.worker_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.close()
+
+    def close(self) -> None:
+        self.replies.close()
+        self.requests.close(linger=0)
+        self.ctx.term()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # keep the worker alive; the failed step's requests get errors
+                log.exception("%s: engine step failed", self.worker_id)
+                self.fail_all("internal error in the engine step")
+
+    def run_once(self) -> None:
+        idle = not self.engine.has_unfinished() and not self.has_pending_work()
+        self._receive(timeout_ms=20 if idle else 0)
+        self.before_step()
+        if self.engine.has_unfinished():
+            self.publish(self.engine.step())
+        self.after_step()
+        now = time.monotonic()
+        if now - self._load_time > 0.05:
+            self._load_time = now
+            self._latest_load = self.load()
+
+    def latest_load(self) -> WorkerLoad:
+        """The last load report built by the loop thread (safe to read from other threads)."""
+        return self._latest_load
+
+    # -- input -------------------------------------------------------------------------------
+    def _receive(self, timeout_ms: int) -> None:
+        if not self._poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.requests.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frame, self.max_frame_bytes)
+            except WireError as e:
+                self.num_bad_frames += 1
+                log.error("%s: dropped a bad frame (%d bytes): %s", self.worker_id, len(frame), e)
+                continue
+            try:
+                self.handle(msg)
+            except Exception:
+                log.exception("%s: failed to handle %s", self.worker_id, type(msg).__name__)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.add_generate(msg)
+        elif isinstance(msg, AbortRequest):
+            self.abort(msg.request_id)
+        elif isinstance(msg, Shutdown):
+            self._stop.set()
+        else:
+            self.num_bad_frames += 1
+            log.error("%s: unexpected message %s", self.worker_id, type(msg).__name__)
+
+    def add_generate(self, msg: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling)
+        except ValueError as e:
+            self.send_error(msg.reply_to, msg.request_id, str(e))
+            return
+        self.reply_to[msg.request_id] = msg.reply_to
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.reply_to.pop(request_id, None)
+
+    # -- output ------------------------------------------------------------------------------
+    def publish(self, outputs: list[TokenOutput]) -> None:
+        for out in outputs:
+            reply_to = self.reply_to.get(out.request_id)
+            if reply_to is None:
+                continue
+            self.replies.send(reply_to, self.token_message(out))
+            if out.finish_reason is not None:
+                self.finished(out.request_id)
+
+    def token_message(self, out: TokenOutput) -> TokenMessage:
+        seq = self.engine.seqs.get(out.request_id)
+        return TokenMessage(
+            request_id=out.request_id,
+            index=out.index,
+            token_ids=out.token_ids,
+            finish_reason=out.finish_reason,
+            worker_id=self.worker_id,
+            prefill_worker_id=self.worker_id if out.index == 0 else "",
+            num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
+        )
+
+    def finished(self, request_id: str) -> None:
+        self.reply_to.pop(request_id, None)
+        self.engine.pop_finished(request_id)
+
+    def send_error(self, reply_to: str, request_id: str, message: str) -> None:
+        self.replies.send(
+            reply_to,
+            TokenMessage(request_id=request_id, index=0, token_ids=[], finish_reason="error",
+                         error=message[:2000], worker_id=self.worker_id),
+        )
+
+    def fail_all(self, message: str) -> None:
+        for rid, reply_to in list(self.reply_to.items()):
+            self.send_error(reply_to, rid, message)
+            self.abort(rid)
+
+    # -- hooks for subclasses ----------------------------------------------------------------
+    def has_pending_work(self) -> bool:
+        return False
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    # -- load report -------------------------------------------------------------------------
+    def load(self) -> WorkerLoad:
+        s = self.engine.stats()
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            role=self.role,
+            num_free_blocks=s["num_free_blocks"],
+            num_total_blocks=s["num_total_blocks"],
+            num_running=s["num_running"],
+            num_waiting=s["num_waiting"],
+            queued_prefill_tokens=s["queued_prefill_tokens"],
+            extra={**self.extra_load(), "bad_frames": self.num_bad_frames,
+                   "preemptions": s["num_preemptions"], "prefix_hit_tokens":
+                   s["prefix_hit_tokens"], "time": time.time()},
+        )
+
+    def extra_load(self) -> dict:
+        return {}
