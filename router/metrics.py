@@ -1,0 +1,165 @@
+"""Prometheus metrics of the router, in their own CollectorRegistry (names prefixed tandem_).
+
+Latency histograms and request/decision counters are updated by the server as requests run.
+Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read at scrape time
+from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
+router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
+transfer_bytes, transfer_seconds, transfer_failures, expired_leases) and are exported as
+counters with a worker label; a restarted worker restarts its series, as Prometheus expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from router.directory import WorkerInfo
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+_TRANSFER_KEYS = (
+    ("transfer_bytes", "tandem_kv_transfer_bytes", "KV bytes moved to/from this worker"),
+    ("transfer_seconds", "tandem_kv_transfer_seconds", "Seconds spent in KV transfers"),
+    ("transfer_failures", "tandem_kv_transfer_failures", "KV transfers that failed"),
+    ("expired_leases", "tandem_kv_expired_leases", "KV block leases that expired"),
+)
+
+
+class WorkerCollector:
+    """Per-worker gauges and transfer counters from the latest directory snapshot."""
+
+    def __init__(self, snapshot: Callable[[], list[WorkerInfo]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self):  # no eager collect at registration time
+        return []
+
+    def collect(self):
+        workers = self._snapshot()
+        labels = ["worker", "role"]
+        gauges = {
+            "queue": GaugeMetricFamily(
+                "tandem_queue_depth", "Requests waiting on the worker", labels=labels
+            ),
+            "running": GaugeMetricFamily(
+                "tandem_running_requests", "Requests running on the worker", labels=labels
+            ),
+            "free": GaugeMetricFamily(
+                "tandem_kv_free_blocks", "Free KV cache blocks", labels=labels
+            ),
+            "total": GaugeMetricFamily(
+                "tandem_kv_total_blocks", "Total KV cache blocks", labels=labels
+            ),
+            "usage": GaugeMetricFamily(
+                "tandem_kv_usage_ratio", "Fraction of KV blocks in use", labels=labels
+            ),
+            "prefill": GaugeMetricFamily(
+                "tandem_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
+            ),
+        }
+        pools = GaugeMetricFamily("tandem_pool_size", "Workers per role", labels=["role"])
+        counters = {
+            key: CounterMetricFamily(name, doc, labels=labels) for key, name, doc in _TRANSFER_KEYS
+        }
+        per_role: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
+        for w in workers:
+            load = w.load
+            lv = [w.worker_id, w.role]
+            per_role[w.role] = per_role.get(w.role, 0) + 1
+            gauges["queue"].add_metric(lv, load.num_waiting)
+            gauges["running"].add_metric(lv, load.num_running)
+            gauges["free"].add_metric(lv, load.num_free_blocks)
+            gauges["total"].add_metric(lv, load.num_total_blocks)
+            total = load.num_total_blocks
+            used = (total - load.num_free_blocks) / total if total > 0 else 0.0
+            gauges["usage"].add_metric(lv, used)
+            gauges["prefill"].add_metric(lv, load.queued_prefill_tokens)
+            extra = load.extra or {}
+            for key, _, _ in _TRANSFER_KEYS:
+                value = extra.get(key)
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    counters[key].add_metric(lv, float(value))
+        for role, n in per_role.items():
+            pools.add_metric([role], n)
+        yield from gauges.values()
+        yield pools
+        yield from counters.values()
+
+
+class RouterMetrics:
+    def __init__(self, snapshot: Callable[[], list[WorkerInfo]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram(
+            "tandem_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "tandem_tpot_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_itl_seconds",
+            "Time between consecutive token deliveries",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_seconds",
+            "Request latency, arrival to last token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "tandem_requests", "Finished requests by status", ["status"], registry=r
+        )
+        self.disagg = Counter(
+            "tandem_disagg_decisions",
+            "Prefill placement decisions (local: on the decode worker; remote: prefill pool)",
+            ["path"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tandem_prompt_tokens", "Prompt tokens of dispatched requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem_generation_tokens", "Output tokens delivered to clients", registry=r
+        )
+        self.bad_frames = Counter(
+            "tandem_bad_frames", "Malformed frames dropped on the token sink", registry=r
+        )
+        self.inflight = Gauge("tandem_inflight_requests", "Requests in flight", registry=r)
+        for status in ("success", "client_error", "server_error", "cancelled"):
+            self.requests.labels(status=status)
+        for path in ("local", "remote"):
+            self.disagg.labels(path=path)
+        r.register(WorkerCollector(snapshot))
