@@ -96,8 +96,13 @@ class LatencyStats:
     count: int
 
     def to_dict(self) -> dict[str, float | int | None]:
-        return {"mean": self.mean, "p50": self.p50, "p90": self.p90, "p99": self.p99,
-                "count": self.count}
+        return {
+            "mean": self.mean,
+            "p50": self.p50,
+            "p90": self.p90,
+            "p99": self.p99,
+            "count": self.count,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +164,9 @@ def spread_tokens(num_chunks: int, total_tokens: int) -> list[int]:
     return counts
 
 
-def itls_from_chunks(chunk_times_s: Sequence[float], tokens_per_chunk: Sequence[int]) -> list[float]:
+def itls_from_chunks(
+    chunk_times_s: Sequence[float], tokens_per_chunk: Sequence[int]
+) -> list[float]:
     """Inter-token latencies from chunk arrival times (see the module docstring)."""
     if len(chunk_times_s) != len(tokens_per_chunk):
         raise ValueError("one token count per chunk")
@@ -170,7 +177,7 @@ def itls_from_chunks(chunk_times_s: Sequence[float], tokens_per_chunk: Sequence[
     if not chunk_times_s:
         return []
     itls = [0.0] * (tokens_per_chunk[0] - 1)
-    for prev, cur, k in zip(chunk_times_s, chunk_times_s[1:], tokens_per_chunk[1:]):
+    for prev, cur, k in zip(chunk_times_s, chunk_times_s[1:], tokens_per_chunk[1:], strict=False):
         itls.extend([(cur - prev) / k] * k)
     return itls
 
@@ -217,9 +224,7 @@ def summarize(values_s: Sequence[float]) -> LatencyStats:
     return LatencyStats(float(ms.mean()), p50, p90, p99, int(ms.size))
 
 
-def meets_slo(
-    record: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None
-) -> bool:
+def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
     if not record.ok:
         return False
     if slo_ttft_ms is not None and record.ttft_s * 1000.0 > slo_ttft_ms:

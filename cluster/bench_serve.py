@@ -108,7 +108,9 @@ class BenchConfig:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf: all at once), got {self.request_rate}")
+            raise ValueError(
+                f"request_rate must be > 0 (inf: all at once), got {self.request_rate}"
+            )
         if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
             raise ValueError(f"burstiness must be > 0, got {self.burstiness}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -118,8 +120,9 @@ class BenchConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if not 0 <= self.vocab_low < self.vocab_high:
-            raise ValueError(f"need 0 <= vocab_low < vocab_high, got {self.vocab_low}, "
-                             f"{self.vocab_high}")
+            raise ValueError(
+                f"need 0 <= vocab_low < vocab_high, got {self.vocab_low}, {self.vocab_high}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not self.request_timeout_s > 0:
@@ -133,7 +136,7 @@ class BenchConfig:
 
     @property
     def trace_path(self) -> str | None:
-        return self.dataset[len("trace:"):] if self.dataset.startswith("trace:") else None
+        return self.dataset[len("trace:") :] if self.dataset.startswith("trace:") else None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -174,11 +177,18 @@ class BenchResult:
         out.update(
             {
                 "request_rate": (
-                    _json_float(self.trace.rate_rps) if self.trace else _json_float(cfg.request_rate)
+                    _json_float(self.trace.rate_rps)
+                    if self.trace
+                    else _json_float(cfg.request_rate)
                 ),
-                "arrivals": "trace" if self.trace else (
-                    "all-at-once" if math.isinf(cfg.request_rate) else
-                    "poisson" if cfg.burstiness == 1.0 else "gamma"
+                "arrivals": "trace"
+                if self.trace
+                else (
+                    "all-at-once"
+                    if math.isinf(cfg.request_rate)
+                    else "poisson"
+                    if cfg.burstiness == 1.0
+                    else "gamma"
                 ),
                 "burstiness": None if self.trace else cfg.burstiness,
                 "max_concurrency": cfg.max_concurrency,
@@ -220,7 +230,9 @@ def _json_float(x: float) -> float | str:
 # --------------------------------------------------------------------------- workload
 
 
-def sample_lengths(rng: np.random.Generator, n: int, mean_len: int, range_ratio: float) -> np.ndarray:
+def sample_lengths(
+    rng: np.random.Generator, n: int, mean_len: int, range_ratio: float
+) -> np.ndarray:
     """n integers uniform on [floor(L(1-r)), floor(L(1+r))], inclusive, never below 1."""
     if n < 0 or mean_len < 1 or not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"bad length spec n={n} L={mean_len} r={range_ratio}")
@@ -275,7 +287,9 @@ def build_workload(config: BenchConfig) -> Workload:
         output_lens = sample_lengths(rng, n, config.output_len, config.output_range).tolist()
         arrivals = arrival_offsets(rng, n, config.request_rate, config.burstiness).tolist()
     requests = []
-    for i, (arrival, p_len, o_len) in enumerate(zip(arrivals, prompt_lens, output_lens)):
+    for i, (arrival, p_len, o_len) in enumerate(
+        zip(arrivals, prompt_lens, output_lens, strict=False)
+    ):
         if config.endpoint == COMPLETIONS:
             prompt: list[int] | str = random_token_ids(
                 rng, p_len, config.vocab_low, config.vocab_high
@@ -350,7 +364,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, chat: bool) -> _Stream:
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue  # blank separators, `: keep-alive` comments, `event:` lines
-        data = line[len(b"data:"):].strip()
+        data = line[len(b"data:") :].strip()
         if data == b"[DONE]":
             s.finished = True
             s.end = now
@@ -391,8 +405,9 @@ async def _send(
             raise RequestFailed("stream ended before [DONE] or a finish_reason")
         if not s.chunk_times:
             raise RequestFailed("stream carried no content")
-        timing = measure_request(start, s.chunk_times, max(s.end, s.chunk_times[-1]),
-                                 s.usage_output)
+        timing = measure_request(
+            start, s.chunk_times, max(s.end, s.chunk_times[-1]), s.usage_output
+        )
     except asyncio.CancelledError:
         raise
     except TimeoutError:
@@ -448,8 +463,13 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         connector=connector, timeout=timeout, headers=headers
     ) as session:
         model = config.model or await resolve_model(session, config.base_url)
-        bar = tqdm(total=len(records), disable=not config.progress, unit="req",
-                   desc="bench serve", file=sys.stderr)
+        bar = tqdm(
+            total=len(records),
+            disable=not config.progress,
+            unit="req",
+            desc="bench serve",
+            file=sys.stderr,
+        )
 
         async def one(req: WorkloadRequest, record: RequestRecord, t0: float) -> None:
             # Encoded before the clock starts: a long prompt's JSON is not the server's time.
@@ -463,7 +483,7 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
 
         t0 = time.perf_counter()
         tasks = []
-        for req, record in zip(workload.requests, records):
+        for req, record in zip(workload.requests, records, strict=False):
             delay = t0 + req.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -477,8 +497,9 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         duration = time.perf_counter() - t0
     metrics = compute_metrics(records, duration, config.slo_ttft_ms, config.slo_tpot_ms)
     errors = collections.Counter(r.error for r in records if r.error is not None)
-    return BenchResult(config, metrics, records, model, started_at, workload.trace,
-                       dict(errors.most_common()))
+    return BenchResult(
+        config, metrics, records, model, started_at, workload.trace, dict(errors.most_common())
+    )
 
 
 # --------------------------------------------------------------------------- report
@@ -501,13 +522,18 @@ def format_report(result: BenchResult) -> str:
     row("Dataset:", "trace" if result.trace else "random")
     if result.trace:
         lines.append(f"  trace file: {cfg.trace_path}")
-        row("  length scale / time scale:", f"{cfg.trace_length_scale:g} / "
-            f"{cfg.trace_time_scale:g}")
+        row(
+            "  length scale / time scale:", f"{cfg.trace_length_scale:g} / {cfg.trace_time_scale:g}"
+        )
         row("  max input / max output:", f"{cfg.trace_max_input} / {cfg.trace_max_output}")
-        row("  offered rate (req/s):", _fmt(result.trace.rate_rps)
-            if math.isfinite(result.trace.rate_rps) else "inf")
-        row("  mean prompt / output len:", f"{result.trace.mean_prompt_len:.1f} / "
-            f"{result.trace.mean_output_len:.1f}")
+        row(
+            "  offered rate (req/s):",
+            _fmt(result.trace.rate_rps) if math.isfinite(result.trace.rate_rps) else "inf",
+        )
+        row(
+            "  mean prompt / output len:",
+            f"{result.trace.mean_prompt_len:.1f} / {result.trace.mean_output_len:.1f}",
+        )
     else:
         row("Request rate (req/s):", f"{cfg.request_rate:g}")
         row("Burstiness:", f"{cfg.burstiness:g}")
@@ -517,13 +543,15 @@ def format_report(result: BenchResult) -> str:
     row("Successful requests:", m.completed)
     row("Failed requests:", m.failed)
     for error, count in list(result.errors.items())[:5]:
-        lines.append(f"  {count} x {error[:width - 8]}")
+        lines.append(f"  {count} x {error[: width - 8]}")
     row("Benchmark duration (s):", _fmt(m.duration_s))
     row("Total input tokens:", m.total_input_tokens)
     row("Total generated tokens:", m.total_output_tokens)
     row("Request throughput (req/s):", _fmt(m.request_throughput))
-    slos = [f"TTFT<={cfg.slo_ttft_ms:g}ms" if cfg.slo_ttft_ms else "",
-            f"TPOT<={cfg.slo_tpot_ms:g}ms" if cfg.slo_tpot_ms else ""]
+    slos = [
+        f"TTFT<={cfg.slo_ttft_ms:g}ms" if cfg.slo_ttft_ms else "",
+        f"TPOT<={cfg.slo_tpot_ms:g}ms" if cfg.slo_tpot_ms else "",
+    ]
     row(f"Goodput (req/s) {' '.join(s for s in slos if s) or '(no SLO)'}:", _fmt(m.goodput_rps))
     row("Output token throughput (tok/s):", _fmt(m.output_tok_s))
     row("Total token throughput (tok/s):", _fmt(m.total_tok_s))
@@ -556,35 +584,75 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--dataset", default=d.dataset, help="'random' or 'trace:PATH' (CSV)")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"requests to send (random: default {DEFAULT_RANDOM_PROMPTS}; "
-                        "trace: the first N rows, default all)")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help=f"requests to send (random: default {DEFAULT_RANDOM_PROMPTS}; "
+        "trace: the first N rows, default all)",
+    )
     p.add_argument("--input-len", type=int, default=d.input_len)
-    p.add_argument("--input-range", type=float, default=d.input_range,
-                   help="prompt lengths are uniform on [L(1-r), L(1+r)]")
+    p.add_argument(
+        "--input-range",
+        type=float,
+        default=d.input_range,
+        help="prompt lengths are uniform on [L(1-r), L(1+r)]",
+    )
     p.add_argument("--output-len", type=int, default=d.output_len)
     p.add_argument("--output-range", type=float, default=d.output_range)
-    p.add_argument("--request-rate", type=_float_or_inf, default=d.request_rate,
-                   help="requests/s of the arrival process (inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=d.burstiness,
-                   help="gamma shape of the inter-arrival times (1: Poisson, <1: burstier)")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="cap on requests in flight (arrivals keep their schedule)")
+    p.add_argument(
+        "--request-rate",
+        type=_float_or_inf,
+        default=d.request_rate,
+        help="requests/s of the arrival process (inf: all at once)",
+    )
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=d.burstiness,
+        help="gamma shape of the inter-arrival times (1: Poisson, <1: burstier)",
+    )
+    p.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="cap on requests in flight (arrivals keep their schedule)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--vocab-low", type=int, default=d.vocab_low,
-                   help="prompt token ids are drawn from [low, high)")
+    p.add_argument(
+        "--vocab-low",
+        type=int,
+        default=d.vocab_low,
+        help="prompt token ids are drawn from [low, high)",
+    )
     p.add_argument("--vocab-high", type=int, default=d.vocab_high)
     p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let the model stop early (output lengths are then not exact)")
-    p.add_argument("--request-timeout", type=float, default=d.request_timeout_s,
-                   help="seconds before one request counts as failed")
-    p.add_argument("--trace-length-scale", type=float, default=d.trace_length_scale,
-                   help="multiply trace prompt and output lengths by F")
-    p.add_argument("--trace-time-scale", type=float, default=d.trace_time_scale,
-                   help="stretch trace inter-arrival times by F (2: half the rate)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let the model stop early (output lengths are then not exact)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds before one request counts as failed",
+    )
+    p.add_argument(
+        "--trace-length-scale",
+        type=float,
+        default=d.trace_length_scale,
+        help="multiply trace prompt and output lengths by F",
+    )
+    p.add_argument(
+        "--trace-time-scale",
+        type=float,
+        default=d.trace_time_scale,
+        help="stretch trace inter-arrival times by F (2: half the rate)",
+    )
     p.add_argument("--trace-max-input", type=int, default=None)
     p.add_argument("--trace-max-output", type=int, default=None)
     p.add_argument("--result-json", default=None, help="write the result JSON here")
@@ -635,8 +703,13 @@ def finish(result: BenchResult) -> list[Path]:
     if cfg.plot_dir:
         from cluster.bench_plots import plot_results  # matplotlib only when plots are asked
 
-        written += plot_results(result.records, cfg.plot_dir, slo_ttft_ms=cfg.slo_ttft_ms,
-                                slo_tpot_ms=cfg.slo_tpot_ms, label=cfg.dataset)
+        written += plot_results(
+            result.records,
+            cfg.plot_dir,
+            slo_ttft_ms=cfg.slo_ttft_ms,
+            slo_tpot_ms=cfg.slo_tpot_ms,
+            label=cfg.dataset,
+        )
     for path in written:
         print(f"wrote {path}")
     return written

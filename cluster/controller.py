@@ -26,7 +26,11 @@ class Controller:
 
     async def register(self, info: dict, handle) -> None:
         self.workers[info["worker_id"]] = {
-            **info, "handle": handle, "load": None, "healthy": True, "last_seen": time.time(),
+            **info,
+            "handle": handle,
+            "load": None,
+            "healthy": True,
+            "last_seen": time.time(),
         }
         await self._poll_one(info["worker_id"])
         if self._task is None:

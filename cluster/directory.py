@@ -14,8 +14,10 @@ class ControllerDirectory:
         rows = await self.controller.snapshot.remote()
         return [
             WorkerInfo(
-                worker_id=r["worker_id"], role=r["role"],
-                request_endpoint=r["request_endpoint"], load=WorkerLoad(**r["load"]),
+                worker_id=r["worker_id"],
+                role=r["role"],
+                request_endpoint=r["request_endpoint"],
+                load=WorkerLoad(**r["load"]),
             )
             for r in rows
         ]

@@ -44,6 +44,7 @@ class ServeSettings:
     lease_seconds: float = 30.0
     on_transfer_failure: str = "recompute"
     log_level: str = "WARNING"
+    max_frame_bytes: int = 16 << 20
     engine: dict = field(default_factory=dict)  # EngineConfig fields except model/role
 
     def __post_init__(self) -> None:
@@ -90,18 +91,21 @@ class Deployment:
         # Token authentication stays on (Ray's default for new clusters); never turn it off.
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
             raise RuntimeError("RAY_AUTH_MODE=disabled: tandem keeps Ray token auth on")
+        # Worker log lines (e.g. a dropped bad frame) reach the driver at once, not batched.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
         if not ray.is_initialized():
             kwargs = {"namespace": NAMESPACE, "logging_level": logging.WARNING}
             if s.address:
                 ray.init(address=s.address, **kwargs)
             else:
-                ray.init(num_cpus=s.num_cpus or os.cpu_count(), include_dashboard=False,
-                         **kwargs)
+                ray.init(num_cpus=s.num_cpus or os.cpu_count(), include_dashboard=False, **kwargs)
                 self._started_ray = True
         t0 = time.perf_counter()
-        self.controller = ray.remote(Controller).options(
-            name=CONTROLLER_NAME, num_cpus=0, get_if_exists=True, max_concurrency=64
-        ).remote()
+        self.controller = (
+            ray.remote(Controller)
+            .options(name=CONTROLLER_NAME, num_cpus=0, get_if_exists=True, max_concurrency=64)
+            .remote()
+        )
         pools = s.pools()
         total_cpus = ray.cluster_resources().get("CPU", 1)
         use_gpu = ray.cluster_resources().get("GPU", 0) > 0
@@ -116,20 +120,38 @@ class Deployment:
             resource = {"prefill": s.prefill_resource, "decode": s.decode_resource}.get(role)
             if resource:
                 opts["resources"] = {resource: 1}
-            self.actors[wid] = ray.remote(WorkerActor).options(**opts).remote(
-                wid, role, engine_kwargs, s.bind_host, max(1, int(cpu_share)),
-                s.lease_seconds, s.on_transfer_failure, s.log_level,
+            self.actors[wid] = (
+                ray.remote(WorkerActor)
+                .options(**opts)
+                .remote(
+                    wid,
+                    role,
+                    engine_kwargs,
+                    s.bind_host,
+                    max(1, int(cpu_share)),
+                    s.lease_seconds,
+                    s.on_transfer_failure,
+                    s.log_level,
+                    s.max_frame_bytes,
+                )
             )
-        print(f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})",
-              flush=True)
+        print(
+            f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})", flush=True
+        )
         infos = ray.get([a.info.remote() for a in self.actors.values()])
         for info, actor in zip(infos, self.actors.values(), strict=True):
             ray.get(self.controller.register.remote(info, actor))
-            print(f"tandem:   {info['worker_id']:<10} {info['role']:<9} "
-                  f"{info['request_endpoint']}", flush=True)
+            print(
+                f"tandem:   {info['worker_id']:<10} {info['role']:<9} "
+                f"requests {info['request_endpoint']}  kv {info['kv_endpoint'] or '-'}",
+                flush=True,
+            )
         self._start_router()
-        print(f"tandem: serving {s.served_model_name or s.model} on {self.url} "
-              f"({time.perf_counter() - t0:.1f}s to start)", flush=True)
+        print(
+            f"tandem: serving {s.served_model_name or s.model} on {self.url} "
+            f"({time.perf_counter() - t0:.1f}s to start)",
+            flush=True,
+        )
         return self
 
     def _start_router(self) -> None:
@@ -144,8 +166,13 @@ class Deployment:
 
             bind = ray.util.get_node_ip_address()
         config = RouterConfig(
-            model_path=s.model, served_model_name=s.served_model_name, host=s.host,
-            port=s.port, bind_host=bind, api_key=s.api_key,
+            max_frame_bytes=s.max_frame_bytes,
+            model_path=s.model,
+            served_model_name=s.served_model_name,
+            host=s.host,
+            port=s.port,
+            bind_host=bind,
+            api_key=s.api_key,
             disagg_threshold=s.disagg_threshold if s.mode == "disagg" else 1 << 30,
             default_block_size=s.engine.get("block_size", 16),
             max_model_len=s.engine.get("max_model_len"),
@@ -220,20 +247,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (colocated)")
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to attach to ('auto' or HOST:PORT); default: start one")
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' (or set TANDEM_API_KEY)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster to attach to ('auto' or HOST:PORT); default: start one",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (or set TANDEM_API_KEY)",
+    )
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--bind-host", default="127.0.0.1",
-                   help="address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP")
-    p.add_argument("--prefill-resource", default=None,
-                   help="custom Ray resource every prefill actor requires (1 unit)")
-    p.add_argument("--decode-resource", default=None,
-                   help="custom Ray resource every decode actor requires (1 unit)")
+    p.add_argument(
+        "--bind-host",
+        default="127.0.0.1",
+        help="address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP",
+    )
+    p.add_argument(
+        "--prefill-resource",
+        default=None,
+        help="custom Ray resource every prefill actor requires (1 unit)",
+    )
+    p.add_argument(
+        "--decode-resource",
+        default=None,
+        help="custom Ray resource every decode actor requires (1 unit)",
+    )
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
-    p.add_argument("--disagg-threshold", type=int, default=256,
-                   help="prompts shorter than this many tokens are prefilled on the decode worker")
+    p.add_argument(
+        "--disagg-threshold",
+        type=int,
+        default=256,
+        help="prompts shorter than this many tokens are prefilled on the decode worker",
+    )
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--on-transfer-failure", choices=["recompute", "error"], default="recompute")
     p.add_argument("--dtype", default="bfloat16")
@@ -249,30 +295,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-frame-mb",
+        type=float,
+        default=16.0,
+        help="largest ZMQ frame a worker accepts; larger ones are logged and dropped",
+    )
     p.add_argument("--ready-file", default=None, help="write {url} as JSON here when serving")
     p.add_argument("--log-level", default="WARNING")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     engine = {
-        "dtype": args.dtype, "kv_dtype": args.kv_dtype, "load_format": args.load_format,
-        "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb, "max_num_seqs": args.max_num_seqs,
+        "dtype": args.dtype,
+        "kv_dtype": args.kv_dtype,
+        "load_format": args.load_format,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory_gb": args.kv_cache_memory_gb,
+        "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enable_chunked_prefill": not args.no_chunked_prefill,
         "enable_prefix_caching": not args.no_prefix_caching,
-        "attention_backend": args.attention_backend, "seed": args.seed,
+        "attention_backend": args.attention_backend,
+        "seed": args.seed,
     }
     return ServeSettings(
-        model=args.model, mode=args.mode, prefill=args.prefill, decode=args.decode,
-        replicas=args.replicas, host=args.host, port=args.port, address=args.address,
+        model=args.model,
+        mode=args.mode,
+        prefill=args.prefill,
+        decode=args.decode,
+        replicas=args.replicas,
+        host=args.host,
+        port=args.port,
+        address=args.address,
         api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-        served_model_name=args.served_model_name, bind_host=args.bind_host,
-        prefill_resource=args.prefill_resource, decode_resource=args.decode_resource,
-        num_cpus=args.num_cpus, disagg_threshold=args.disagg_threshold,
-        lease_seconds=args.lease_seconds, on_transfer_failure=args.on_transfer_failure,
-        log_level=args.log_level, engine=engine,
+        served_model_name=args.served_model_name,
+        bind_host=args.bind_host,
+        prefill_resource=args.prefill_resource,
+        decode_resource=args.decode_resource,
+        num_cpus=args.num_cpus,
+        disagg_threshold=args.disagg_threshold,
+        lease_seconds=args.lease_seconds,
+        on_transfer_failure=args.on_transfer_failure,
+        log_level=args.log_level,
+        max_frame_bytes=int(args.max_frame_mb * 2**20),
+        engine=engine,
     )
 
 
@@ -284,11 +353,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem serve: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     dep = Deployment(settings)
     try:
         dep.start()
+        # Installed after ray.init, which sets handlers of its own that would abort us.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
         if args.ready_file:
             with open(args.ready_file, "w") as f:
                 json.dump({"url": dep.url, "pid": os.getpid()}, f)

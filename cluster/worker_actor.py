@@ -22,6 +22,7 @@ class WorkerActor:
         lease_seconds: float = 30.0,
         on_transfer_failure: str = "recompute",
         log_level: str = "WARNING",
+        max_frame_bytes: int = 16 << 20,
     ):
         import torch
 
@@ -42,22 +43,29 @@ class WorkerActor:
             from prefill_worker.server import PrefillServer
 
             agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
-            self.server = PrefillServer(worker_id, engine, agent, bind_host)
+            self.server = PrefillServer(worker_id, engine, agent, bind_host, max_frame_bytes)
         elif role == "decode":
             from decode_worker.server import DecodeServer
             from kv_transfer.agent import KVTransferAgent
 
             agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
-            self.server = DecodeServer(worker_id, engine, agent, bind_host, on_transfer_failure)
+            self.server = DecodeServer(
+                worker_id, engine, agent, bind_host, on_transfer_failure, max_frame_bytes
+            )
         else:
             from engine.engine_server import EngineServer
 
-            self.server = EngineServer(worker_id, "colocated", engine, bind_host)
+            self.server = EngineServer(worker_id, "colocated", engine, bind_host, max_frame_bytes)
         self.server.start()
 
     def info(self) -> dict:
-        return {"worker_id": self.worker_id, "role": self.role,
-                "request_endpoint": self.server.endpoint}
+        agent = getattr(self.server, "agent", None)
+        return {
+            "worker_id": self.worker_id,
+            "role": self.role,
+            "request_endpoint": self.server.endpoint,
+            "kv_endpoint": agent.endpoint if agent is not None else "",
+        }
 
     def load(self) -> dict:
         return asdict(self.server.latest_load())

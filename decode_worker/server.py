@@ -35,13 +35,18 @@ FAILURE_POLICIES = ("recompute", "error")
 
 class DecodeServer(EngineServer):
     def __init__(
-        self, worker_id: str, engine: LLMEngine, agent: KVTransferAgent,
-        bind_host: str = "127.0.0.1", on_transfer_failure: str = "recompute",
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KVTransferAgent,
+        bind_host: str = "127.0.0.1",
+        on_transfer_failure: str = "recompute",
+        max_frame_bytes: int = 16 << 20,
     ):
         if on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
-        self.agent = agent  # before super().__init__, which builds a first load report
-        super().__init__(worker_id, "decode", engine, bind_host)
+        self.agent = agent
+        super().__init__(worker_id, "decode", engine, bind_host, max_frame_bytes)
         self.policy = on_transfer_failure
         self.incoming: deque[KVReady] = deque()
         self.reading: dict[str, KVReady] = {}
@@ -137,8 +142,9 @@ class DecodeServer(EngineServer):
                 return  # no room: wait for running requests to finish
             self.incoming.popleft()
             try:
-                self.agent.start_read(rid, msg.sender.name, msg.block_ids, blocks,
-                                      msg.lease_deadline)
+                self.agent.start_read(
+                    rid, msg.sender.name, msg.block_ids, blocks, msg.lease_deadline
+                )
             except TransferError as e:
                 self.engine.abort(rid)
                 self._fallback(msg, str(e))
@@ -162,11 +168,18 @@ class DecodeServer(EngineServer):
 
     def extra_load(self) -> dict:
         st = self.agent.stats()
-        return {"incoming": len(self.incoming), "reading": len(self.reading),
-                "remote_prefills": self.num_remote, "local_prefills": self.num_local,
-                "recomputed": self.num_recomputed, "transfer_bytes": st.bytes_read,
-                "transfer_seconds": st.seconds, "transfer_failures": st.failures,
-                "expired_leases": st.expired_leases, "transfer_gbps": st.gbps}
+        return {
+            "incoming": len(self.incoming),
+            "reading": len(self.reading),
+            "remote_prefills": self.num_remote,
+            "local_prefills": self.num_local,
+            "recomputed": self.num_recomputed,
+            "transfer_bytes": st.bytes_read,
+            "transfer_seconds": st.seconds,
+            "transfer_failures": st.failures,
+            "expired_leases": st.expired_leases,
+            "transfer_gbps": st.gbps,
+        }
 
     def close(self) -> None:
         super().close()

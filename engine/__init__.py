@@ -6,4 +6,4 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.outputs import RequestOutput, TokenOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "TokenOutput"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "TokenOutput"]

@@ -63,7 +63,9 @@ class EngineServer:
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
         self.requests = self.ctx.socket(zmq.PULL)
-        self.requests.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # ZMQ's own cap (which drops silently) sits well above ours, so an oversized frame
+        # up to 4x the limit is received, logged and dropped by `_receive`.
+        self.requests.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame_bytes)
         self.requests.setsockopt(zmq.RCVHWM, 100_000)
         self.requests.bind(f"tcp://{bind_host}:*")
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -80,8 +82,9 @@ class EngineServer:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         self._latest_load = self.load()  # built here: subclasses are fully set up by now
-        self._thread = threading.Thread(target=self._serve, name=f"engine-{self.worker_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name=f"engine-{self.worker_id}", daemon=True
+        )
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -191,8 +194,14 @@ class EngineServer:
     def send_error(self, reply_to: str, request_id: str, message: str) -> None:
         self.replies.send(
             reply_to,
-            TokenMessage(request_id=request_id, index=0, token_ids=[], finish_reason="error",
-                         error=message[:2000], worker_id=self.worker_id),
+            TokenMessage(
+                request_id=request_id,
+                index=0,
+                token_ids=[],
+                finish_reason="error",
+                error=message[:2000],
+                worker_id=self.worker_id,
+            ),
         )
 
     def fail_all(self, message: str) -> None:
@@ -221,9 +230,13 @@ class EngineServer:
             num_running=s["num_running"],
             num_waiting=s["num_waiting"],
             queued_prefill_tokens=s["queued_prefill_tokens"],
-            extra={**self.extra_load(), "bad_frames": self.num_bad_frames,
-                   "preemptions": s["num_preemptions"], "prefix_hit_tokens":
-                   s["prefix_hit_tokens"], "time": time.time()},
+            extra={
+                **self.extra_load(),
+                "bad_frames": self.num_bad_frames,
+                "preemptions": s["num_preemptions"],
+                "prefix_hit_tokens": s["prefix_hit_tokens"],
+                "time": time.time(),
+            },
         )
 
     def extra_load(self) -> dict:

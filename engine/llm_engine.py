@@ -25,7 +25,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 ROLES = ("colocated", "prefill", "decode")
@@ -152,7 +152,10 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def resume_request(
-        self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
         sampling: SamplingParams,
     ) -> None:
         """Queue a request whose first outputs were produced elsewhere; its KV is recomputed
@@ -194,7 +197,10 @@ class LLMEngine:
             self.block_manager.free(seq.block_table)
 
     def reserve_remote(
-        self, request_id: str, prompt_token_ids: list[int], first_token: int,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
         sampling: SamplingParams,
     ) -> list[int] | None:
         """Blocks to receive a peer's prompt KV, or None while there is no room."""

@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(slots=True)

@@ -30,11 +30,15 @@ log = logging.getLogger(__name__)
 
 class PrefillServer(EngineServer):
     def __init__(
-        self, worker_id: str, engine: LLMEngine, agent: KVTransferAgent,
+        self,
+        worker_id: str,
+        engine: LLMEngine,
+        agent: KVTransferAgent,
         bind_host: str = "127.0.0.1",
+        max_frame_bytes: int = 16 << 20,
     ):
-        self.agent = agent  # before super().__init__, which builds a first load report
-        super().__init__(worker_id, "prefill", engine, bind_host)
+        self.agent = agent
+        super().__init__(worker_id, "prefill", engine, bind_host, max_frame_bytes)
         self.pending: dict[str, PrefillRequest] = {}  # in the engine or held for a peer
         self.num_handoffs = 0
         self.released_reasons: dict[str, int] = {}
@@ -75,18 +79,21 @@ class PrefillServer(EngineServer):
             self.send_error(req.reply_to, rid, f"KV hand-off failed: {e}")
             return
         # From here the lease owns the blocks: they are freed only through a Released event.
-        self.replies.send(req.decode_endpoint, KVReady(
-            request_id=rid,
-            prompt_token_ids=req.prompt_token_ids,
-            sampling=req.sampling,
-            first_token=first_token,
-            reply_to=req.reply_to,
-            prefill_worker_id=self.worker_id,
-            sender=self.agent.agent_metadata(),
-            block_ids=blocks,
-            num_tokens=len(req.prompt_token_ids),
-            lease_deadline=deadline,
-        ))
+        self.replies.send(
+            req.decode_endpoint,
+            KVReady(
+                request_id=rid,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+                first_token=first_token,
+                reply_to=req.reply_to,
+                prefill_worker_id=self.worker_id,
+                sender=self.agent.agent_metadata(),
+                block_ids=blocks,
+                num_tokens=len(req.prompt_token_ids),
+                lease_deadline=deadline,
+            ),
+        )
         self.num_handoffs += 1
 
     def has_pending_work(self) -> bool:
@@ -109,10 +116,15 @@ class PrefillServer(EngineServer):
 
     def extra_load(self) -> dict:
         st = self.agent.stats()
-        return {"handoffs": self.num_handoffs, "held_requests": self.agent.num_held(),
-                "expired_leases": st.expired_leases, "transfer_failures": st.failures,
-                "transfer_bytes": st.bytes_served, "transfer_seconds": 0.0,
-                "released": dict(self.released_reasons)}
+        return {
+            "handoffs": self.num_handoffs,
+            "held_requests": self.agent.num_held(),
+            "expired_leases": st.expired_leases,
+            "transfer_failures": st.failures,
+            "transfer_bytes": st.bytes_served,
+            "transfer_seconds": 0.0,
+            "released": dict(self.released_reasons),
+        }
 
     def close(self) -> None:
         super().close()

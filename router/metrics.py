@@ -50,6 +50,9 @@ _TRANSFER_KEYS = (
     ("transfer_seconds", "tandem_kv_transfer_seconds", "Seconds spent in KV transfers"),
     ("transfer_failures", "tandem_kv_transfer_failures", "KV transfers that failed"),
     ("expired_leases", "tandem_kv_expired_leases", "KV block leases that expired"),
+    ("bad_frames", "tandem_worker_bad_frames", "Malformed or oversized frames a worker dropped"),
+    ("preemptions", "tandem_preemptions", "Sequences preempted (recomputed) for lack of KV"),
+    ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache"),
 )
 
 

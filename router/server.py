@@ -108,6 +108,8 @@ class RouterServer:
         self._refresh_task: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
         self._inflight: dict[str, tuple[str, ...]] = {}  # request id -> worker ids involved
+        # request id -> where it runs; surfaced as the `tandem` extension field and headers
+        self._placement: dict[str, dict] = {}
         self._gone: set[str] = set()
         self._created = int(time.time())
 
@@ -377,6 +379,7 @@ class RouterServer:
             status = "server_error"
             raise
         finally:
+            self._placement.pop(rid, None)
             self.metrics.inflight.dec()
             self.metrics.requests.labels(status=status).inc()
 
@@ -387,6 +390,11 @@ class RouterServer:
         assert self.model_info is not None
         cfg = self.config
         plan = await self._route(parsed.prompt_ids)
+        self._placement[rid] = {
+            "path": plan.path,
+            "prefill_worker": (plan.prefill or plan.decode).worker_id,
+            "decode_worker": plan.decode.worker_id,
+        }
         targets = [plan.decode.request_endpoint]
         if plan.prefill is not None:
             targets.append(plan.prefill.request_endpoint)
@@ -554,8 +562,17 @@ class RouterServer:
                 "model": parsed.model,
                 "choices": [choice],
                 "usage": self._usage(parsed, num_tokens),
-            }
+                "tandem": self._placement.get(rid, {}),
+            },
+            headers=self._placement_headers(rid),
         )
+
+    def _placement_headers(self, rid: str) -> dict[str, str]:
+        p = self._placement.get(rid)
+        if not p:
+            return {}
+        return {"X-Tandem-Path": p["path"], "X-Tandem-Prefill-Worker": p["prefill_worker"],
+                "X-Tandem-Decode-Worker": p["decode_worker"]}
 
     def _chunk(
         self,
@@ -611,6 +628,7 @@ class RouterServer:
                                 "Content-Type": "text/event-stream",
                                 "Cache-Control": "no-cache",
                                 "X-Request-Id": rid,
+                                **self._placement_headers(rid),
                             }
                         )
                         await resp.prepare(request)

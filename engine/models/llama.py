@@ -17,8 +17,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.models.rope import apply_rope, rope_tables
-
+from engine.models.rope import rope_tables, rotate_half
 
 # Tokens per call from which a bf16 GEMM runs as an fp32 GEMM on up-cast copies (see Linear).
 UPCAST_MIN_TOKENS = 8
@@ -91,16 +90,24 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache: KVCache, backend) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        """cos/sin: [tokens, 1, head_dim] in x's dtype."""
+        t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
+        v = qkv[:, h + kvh :]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, k, cos, sin)
+            q = _rotate(self.q_norm(qkv[:, :h]), cos, sin)
+            k = _rotate(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
+        else:
+            # q and k heads are adjacent: rotate them in one pass (same math, half the ops).
+            qk = _rotate(qkv[:, : h + kvh], cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
         o = backend.forward(self.layer, q, k, v, cache)
         return self.o_proj(o.reshape(t, self.q_size))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on [tokens, heads, head_dim] (as `engine.models.rope.apply_rope`, for one tensor)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class MLP(nn.Module):
@@ -177,8 +184,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         # HF casts the fp32 tables to the activation dtype before use; so do we.
-        cos = self.rope_cos[positions].to(x.dtype)
-        sin = self.rope_sin[positions].to(x.dtype)
+        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, backend)
         return self.model.norm(x)

@@ -21,7 +21,7 @@ def _prompts(seed: int = 0, lengths=LENGTHS) -> list[list[int]]:
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(path: str, ignore_eos: bool):
     from transformers import AutoModelForCausalLM
 
@@ -38,7 +38,7 @@ def hf_greedy(path, prompt: list[int], max_tokens: int, ignore_eos: bool = True)
         out = model.generate(
             torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def _check(llm: LLM, path, prompts, max_tokens) -> list:
@@ -58,7 +58,10 @@ def _check(llm: LLM, path, prompts, max_tokens) -> list:
 def test_greedy_matches_hf(make_tiny_model, arch, chunked):
     path = make_tiny_model(arch)
     llm = LLM(
-        path, dtype="float32", enable_chunked_prefill=chunked, max_num_batched_tokens=48,
+        path,
+        dtype="float32",
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=48,
         enable_prefix_caching=False,
     )
     _check(llm, path, _prompts(), MAX_TOKENS)
@@ -100,13 +103,18 @@ def test_eos_stops_like_hf(make_tiny_model, arch):
     for p, o in zip(prompts, outs, strict=True):
         ref = hf_greedy(path, p, 40, ignore_eos=False)
         assert o.token_ids == ref
-        assert o.finish_reason == ("stop" if ref[-1] in llm.engine.model_config.eos_token_ids else "length")
+        assert o.finish_reason == (
+            "stop" if ref[-1] in llm.engine.model_config.eos_token_ids else "length"
+        )
 
 
 def test_text_prompt_and_stop_token(make_tiny_model):
     path = make_tiny_model("llama")
     llm = LLM(path, dtype="float32")
-    full = llm.generate(["hello world, this is tandem"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    full = llm.generate(
+        ["hello world, this is tandem"],
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+    )[0]
     assert full.text == llm.tokenizer.decode(full.token_ids, skip_special_tokens=True)
     stop = full.token_ids[5]
     cut = llm.generate(

@@ -26,8 +26,9 @@ def test_seeded_sampling_is_batch_independent(make_tiny_model):
     others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
     batch = llm.generate([[1, 2], [10, 11, 12], [5] * 20], [others, sp, others])
     assert batch[1].token_ids == alone
-    different = llm.generate([[10, 11, 12]], SamplingParams(
-        max_tokens=16, temperature=1.0, seed=99, ignore_eos=True))[0].token_ids
+    different = llm.generate(
+        [[10, 11, 12]], SamplingParams(max_tokens=16, temperature=1.0, seed=99, ignore_eos=True)
+    )[0].token_ids
     assert different != alone
 
 
@@ -38,6 +39,7 @@ def test_limits_equal_greedy(make_tiny_model):
     k1 = llm.generate(prompt, SamplingParams(max_tokens=12, top_k=1, seed=3, ignore_eos=True))
     p0 = llm.generate(prompt, SamplingParams(max_tokens=12, top_p=1e-6, seed=3, ignore_eos=True))
     assert greedy[0].token_ids == k1[0].token_ids == p0[0].token_ids
-    hot = llm.generate(prompt, SamplingParams(
-        max_tokens=12, temperature=2.0, seed=3, ignore_eos=True))
+    hot = llm.generate(
+        prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=3, ignore_eos=True)
+    )
     assert hot[0].token_ids != greedy[0].token_ids

@@ -109,7 +109,7 @@ CASES = [
 def test_bad_requests_are_4xx_and_server_stays_healthy(make_router):
     h = make_router(max_body_bytes=64 * 1024)
     results = asyncio.run(post_many(h.base_url, [(p, b) for p, b, *_ in CASES]))
-    for (path, body, status, needle, param), (got, text) in zip(CASES, results, strict=False):
+    for (_path, body, status, needle, param), (got, text) in zip(CASES, results, strict=False):
         err = check_error(got, text, status, needle)
         if param is not None:
             assert err["param"] == param, (body[:80], err)

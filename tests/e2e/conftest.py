@@ -1,0 +1,106 @@
+"""Fixtures that run the real `tandem serve` (local Ray, real actors, NIXL, ZMQ, HTTP) as a
+subprocess, and helpers to read its Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class ServeProcess:
+    def __init__(self, model: Path, tmp: Path, *args: str):
+        self.ready = tmp / "ready.json"
+        self.log_path = tmp / "serve.log"
+        cmd = [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--num-cpus",
+            "2",
+            "--ready-file",
+            str(self.ready),
+            *args,
+        ]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.time() + 180
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"tandem serve did not start:\n{self.log_path.read_text()}")
+            time.sleep(0.5)
+        self.url = json.loads(self.ready.read_text())["url"]
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.url + "/metrics", timeout=10).read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(tandem_[a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def wait_all_blocks_free(self, timeout: float = 20.0) -> dict[str, float]:
+        """Every worker's free KV block count back at its total (the starting value)."""
+        deadline = time.time() + timeout
+        while True:
+            m = self.metrics()
+            free = {k: v for k, v in m.items() if k.startswith("tandem_kv_free_blocks")}
+            total = {k.replace("free", "total"): v for k, v in free.items()}
+            if free and all(m.get(k) == v for k, v in total.items()):
+                return free
+            if time.time() > deadline:
+                raise AssertionError(f"KV blocks not returned: free={free} total={total}")
+            time.sleep(0.3)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="session")
+def e2e_model(make_tiny_model) -> Path:
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def start_serve(tmp_path_factory):
+    """A context manager: `with start_serve(model, *flags) as server:`; on exit it sends
+    SIGTERM and checks that tandem serve shut down cleanly (exit code 0)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def start(model: Path, *args: str):
+        sp = ServeProcess(model, tmp_path_factory.mktemp("serve"), *args)
+        try:
+            yield sp
+        finally:
+            code = sp.stop()
+        assert code == 0, f"tandem serve exited with {code}:\n{sp.log_path.read_text()[-3000:]}"
+
+    return start
