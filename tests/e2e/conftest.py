@@ -82,6 +82,19 @@ class ServeProcess:
         self.log.close()
         return self.proc.returncode
 
+    def leftovers(self, timeout: float = 15.0) -> list[str]:
+        """Processes still alive in the serve process's session (Ray's raylet, GCS, actor
+        workers, ... all inherit it): after a clean shutdown there must be none."""
+        deadline = time.time() + timeout
+        while True:
+            ps = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True,
+                                text=True, check=True).stdout
+            left = [line.strip() for line in ps.splitlines()
+                    if line.split(None, 1)[0] == str(self.proc.pid)]
+            if not left or time.time() > deadline:
+                return left
+            time.sleep(0.5)
+
 
 @pytest.fixture(scope="session")
 def e2e_model(make_tiny_model) -> Path:
@@ -102,5 +115,6 @@ def start_serve(tmp_path_factory):
         finally:
             code = sp.stop()
         assert code == 0, f"tandem serve exited with {code}:\n{sp.log_path.read_text()[-3000:]}"
+        assert sp.leftovers() == [], "tandem serve left processes behind"
 
     return start
