@@ -1,0 +1,43 @@
+"""Typed errors of the transfer layer: a refused handshake and a failed transfer."""
+
+from __future__ import annotations
+
+
+class KVTransferError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class HandshakeError(KVTransferError):
+    """Two agents cannot exchange KV: the peer is unreachable or its layout differs.
+
+    `fields` names the compatibility fields that differ (empty when the peer did not answer),
+    so the message says what to change: "block_size: 16 here, 32 on peer".
+    """
+
+    def __init__(self, peer: str, message: str, fields: tuple[str, ...] = ()):
+        self.peer = peer
+        self.fields = tuple(fields)
+        super().__init__(f"handshake with {peer!r} refused: {message}")
+
+
+class TransferError(KVTransferError):
+    """A request's KV transfer cannot be started or has failed."""
+
+    def __init__(self, request_id: str, message: str):
+        self.request_id = request_id
+        self.message = message
+        super().__init__(f"KV transfer of request {request_id!r} failed: {message}")
+
+
+def differing_fields(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
+    """Names of the compatibility fields whose values differ (or exist on one side only)."""
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def describe_differences(
+    fields: list[str], mine: dict[str, str], theirs: dict[str, str]
+) -> str:
+    return "; ".join(
+        f"{k}: {mine.get(k, '<missing>')} here, {theirs.get(k, '<missing>')} on peer"
+        for k in fields
+    )

@@ -1,0 +1,67 @@
+"""What `KVTransferAgent.poll()` reports to the worker loop, and the agent's counters.
+
+Sender side: `Released` -> the worker frees those blocks. Receiver side: `ReadDone` -> the
+sequence joins the batch; `ReadFailed` -> the worker frees its blocks and fails or recomputes.
+An event is emitted only once nothing can touch the blocks any more (no READ in flight).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RELEASE_REASONS = ("read_done", "lease_expired", "aborted", "peer_failed")
+
+
+@dataclass(slots=True, frozen=True)
+class Released:
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: str  # one of RELEASE_REASONS
+
+    def __post_init__(self) -> None:
+        if self.reason not in RELEASE_REASONS:
+            raise ValueError(f"reason must be one of {RELEASE_REASONS}, got {self.reason!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class ReadDone:
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    num_bytes: int
+    seconds: float
+
+
+@dataclass(slots=True, frozen=True)
+class ReadFailed:
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    reason: str
+
+
+TransferEvent = Released | ReadDone | ReadFailed
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Plain counters for /metrics (tandem_kv_transfer_*)."""
+
+    bytes_read: int = 0  # receiver: bytes pulled by completed READs (data + FP8 scales)
+    seconds: float = 0.0  # receiver: wall time of those READs, first post to landing
+    transfers: int = 0  # receiver: requests that reached DONE
+    failures: int = 0  # both: requests that ended FAILED / released because a peer failed
+    expired_leases: int = 0  # sender: leases that ran out
+    aborted: int = 0  # both: requests aborted by either side
+    bytes_served: int = 0  # sender: bytes of blocks released after a completed READ
+    rejected_frames: int = 0  # side-channel frames refused as malformed / oversized
+    ignored_notifs: int = 0  # late or unknown NIXL notifications that were dropped
+    handshakes: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Achieved receive bandwidth in GB/s (1e9 bytes) over all completed READs."""
+        return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["gbps"] = self.gbps
+        return d

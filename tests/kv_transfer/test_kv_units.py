@@ -1,0 +1,189 @@
+"""Unit tests without NIXL processes: the state enum, messages, descriptors."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheSpec
+from engine.sampling_params import SamplingParams
+from engine.wire import WireError, encode
+from engine.wire import decode as decode_frame
+from kv_transfer.descriptors import BlockRegion, chunk
+from kv_transfer.errors import TransferError, differing_fields
+from kv_transfer.events import Released, TransferStats
+from kv_transfer.messages import (
+    MAX_KVREADY_BYTES,
+    PROTOCOL_VERSION,
+    AgentMetadata,
+    HelloReply,
+    KVReady,
+    RenewReply,
+)
+from kv_transfer.state import InvalidTransition, TransferState, TransferStatus
+
+S = TransferState
+
+
+def test_states_are_ordered():
+    assert S.FAILED < S.PENDING < S.TRANSFERRING < S.DONE
+
+
+def test_status_only_moves_forward():
+    st = TransferStatus()
+    st.advance(S.TRANSFERRING)
+    with pytest.raises(InvalidTransition):
+        st.advance(S.PENDING)
+    with pytest.raises(InvalidTransition):
+        st.advance(S.TRANSFERRING)
+    st.advance(S.DONE)
+    with pytest.raises(InvalidTransition):
+        st.fail("too late")
+    assert st.state is S.DONE and st.reason is None
+
+
+@pytest.mark.parametrize("start", [S.PENDING, S.TRANSFERRING])
+def test_failed_is_sticky_and_keeps_its_first_reason(start):
+    st = TransferStatus(start)
+    assert st.fail("peer died")
+    assert not st.fail("second reason")
+    assert (st.state, st.reason) == (S.FAILED, "peer died")
+    for target in (S.PENDING, S.TRANSFERRING, S.DONE):
+        with pytest.raises(InvalidTransition):
+            st.advance(target)
+    with pytest.raises(InvalidTransition):
+        st.advance(S.FAILED)
+    with pytest.raises(ValueError):
+        TransferStatus(S.FAILED)  # FAILED always carries a reason
+
+
+def test_every_sequence_of_moves_is_monotone():
+    import itertools
+
+    for seq in itertools.product(list(S), repeat=4):
+        st = TransferStatus()
+        seen = [st.state]
+        for target in seq:
+            try:
+                st.fail("x") if target is S.FAILED else st.advance(target)
+            except InvalidTransition:
+                pass
+            seen.append(st.state)
+        terminal_at = next((i for i, s in enumerate(seen) if s.terminal), None)
+        if terminal_at is not None:
+            assert all(s is seen[terminal_at] for s in seen[terminal_at:])
+        live = seen[: terminal_at if terminal_at is not None else len(seen)]
+        assert live == sorted(live)
+
+
+def _md(**kw) -> AgentMetadata:
+    spec = KVCacheSpec("LlamaForCausalLM", 2, 2, 64, 16, torch.bfloat16)
+    d = {"name": "p0", "instance_id": "abc", "endpoint": "tcp://127.0.0.1:5555",
+             "protocol_version": PROTOCOL_VERSION, "compat_hash": spec.compat_hash(),
+             "compat_fields": spec.compat_fields(), "num_blocks": 100, "mem_type": "DRAM"}
+    d.update(kw)
+    return AgentMetadata(**d)
+
+
+def _kv_ready(**kw) -> KVReady:
+    d = {"request_id": "r1", "prompt_token_ids": list(range(40)),
+             "sampling": SamplingParams(max_tokens=5, temperature=0.0), "first_token": 9,
+             "reply_to": "tcp://router:1", "prefill_worker_id": "prefill-0", "sender": _md(),
+             "block_ids": [4, 9, 2], "num_tokens": 40, "lease_deadline": time.time() + 10}
+    d.update(kw)
+    return KVReady(**d)
+
+
+def test_kv_ready_round_trips_through_the_wire():
+    msg = _kv_ready()
+    back = decode_frame(encode(msg), MAX_KVREADY_BYTES, expect=KVReady)
+    assert back == msg
+    assert isinstance(back.sender, AgentMetadata) and isinstance(back.sampling, SamplingParams)
+    assert AgentMetadata.coerce(msg.sender.to_dict()) == msg.sender
+
+
+@pytest.mark.parametrize("bad", [
+    {"block_ids": [4, 9]},  # 2 blocks of 16 cannot hold 40 tokens
+    {"block_ids": [4, 4, 2]},
+    {"block_ids": [4, 9, 100]},  # beyond the sender's cache
+    {"first_token": -1},
+    {"request_id": ""},
+    {"lease_deadline": float("nan")},
+    {"num_tokens": 0},
+])
+def test_kv_ready_rejects_bad_fields(bad):
+    with pytest.raises(ValueError):
+        _kv_ready(**bad)
+    frame = encode(_kv_ready())
+    import msgpack
+
+    outer = msgpack.unpackb(frame)
+    outer["d"].update(bad)
+    with pytest.raises(WireError):
+        decode_frame(msgpack.packb(outer), MAX_KVREADY_BYTES)
+
+
+def test_oversized_and_wrong_type_frames_are_refused():
+    frame = encode(_kv_ready())
+    with pytest.raises(WireError, match="limit"):
+        decode_frame(frame, len(frame) - 1)
+    with pytest.raises(WireError, match="expected"):
+        decode_frame(frame, MAX_KVREADY_BYTES, expect=RenewReply)
+
+
+def test_agent_metadata_validation():
+    with pytest.raises(ValueError):
+        _md(endpoint="http://x")
+    with pytest.raises(ValueError):
+        _md(mem_type="HBM")
+    with pytest.raises(ValueError, match="unknown fields"):
+        AgentMetadata.coerce(_md().to_dict() | {"extra": 1})
+
+
+def test_renew_reply_and_hello_reply_validation():
+    with pytest.raises(ValueError):
+        RenewReply(1, ["a"], ["ok", "ok"], [1.0])
+    with pytest.raises(ValueError):
+        RenewReply(1, ["a"], ["maybe"], [1.0])
+    with pytest.raises(ValueError):
+        HelloReply(ok=True, name="x", instance_id="y")  # accepting needs metadata + bases
+
+
+def test_differing_fields_names_the_fields():
+    a = {"block_size": "16", "kv_dtype": "auto", "model": "M"}
+    b = {"block_size": "32", "kv_dtype": "auto", "layout": "other"}
+    assert differing_fields(a, b) == ["block_size", "layout", "model"]
+
+
+def test_region_descriptors_and_indices():
+    r = BlockRegion("DRAM", 0, 4, 1000, 10, scales_base=5000, scale_block_bytes=2)
+    rows = r.descriptors()
+    assert rows.shape == (8, 3) and rows.dtype == np.uint64
+    assert rows[:4, 0].tolist() == [1000, 1010, 1020, 1030]
+    assert rows[4:, 0].tolist() == [5000, 5002, 5004, 5006]
+    assert set(rows[:, 2].tolist()) == {0}
+    assert r.indices([3, 1]).tolist() == [3, 1, 7, 5]
+    with pytest.raises(ValueError):
+        r.indices([4])
+    assert BlockRegion("DRAM", 0, 4, 1000, 10).indices([2]).tolist() == [2]
+    assert chunk([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5]]
+
+
+def test_events_and_stats():
+    with pytest.raises(ValueError):
+        Released("r", (1,), "because")
+    s = TransferStats(bytes_read=2_000_000_000, seconds=0.5)
+    assert s.gbps == pytest.approx(4.0)
+    assert s.to_dict()["gbps"] == pytest.approx(4.0)
+    assert TransferError("r9", "peer gone").request_id == "r9"
+
+
+def test_wildcard_bind_is_advertised_under_a_routable_host():
+    from kv_transfer.agent import _advertised
+
+    assert _advertised("tcp://127.0.0.1:5000", None) == "tcp://127.0.0.1:5000"
+    assert _advertised("tcp://0.0.0.0:5000", "10.0.0.7") == "tcp://10.0.0.7:5000"
+    assert not _advertised("tcp://0.0.0.0:5000", None).startswith("tcp://0.0.0.0")
