@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 
 from engine.engine_server import EngineServer
 from engine.llm_engine import LLMEngine
@@ -51,12 +51,19 @@ class DecodeServer(EngineServer):
         self.incoming: deque[KVReady] = deque()
         self.reading: dict[str, KVReady] = {}
         self.aborted: set[str] = set()
+        # Aborts that arrived before their KVReady (the router aborts both workers at once,
+        # while the prefill worker may still be working): a late KVReady for one of these is
+        # dropped and its blocks released on the sender. Bounded, oldest forgotten first.
+        self.early_aborts: OrderedDict[str, None] = OrderedDict()
         self.num_remote = 0
         self.num_local = 0
         self.num_recomputed = 0
 
     def handle(self, msg) -> None:
         if isinstance(msg, KVReady):
+            if self.early_aborts.pop(msg.request_id, False) is None:
+                self._release_on_sender(msg)
+                return
             self.incoming.append(msg)
         else:
             super().handle(msg)
@@ -135,7 +142,7 @@ class DecodeServer(EngineServer):
                 )
             except ValueError as e:
                 self.incoming.popleft()
-                self.agent.abort(rid, peer_name=msg.sender.name)
+                self._release_on_sender(msg)
                 self.send_error(msg.reply_to, rid, str(e))
                 continue
             if blocks is None:
@@ -152,11 +159,21 @@ class DecodeServer(EngineServer):
             self.reading[rid] = msg
             self.reply_to[rid] = msg.reply_to
 
+    def _release_on_sender(self, msg: KVReady) -> None:
+        """Tell the prefill worker now that its blocks will not be read (else the lease
+        would hold them until it expires)."""
+        try:
+            self.agent.connect(msg.sender)
+        except (HandshakeError, TransferError) as e:
+            log.warning("%s: cannot reach %s to release %s: %s", self.worker_id,
+                        msg.sender.name, msg.request_id, e)
+        self.agent.abort(msg.request_id, peer_name=msg.sender.name)
+
     def abort(self, request_id: str) -> None:
         for msg in self.incoming:
             if msg.request_id == request_id:
                 self.incoming.remove(msg)
-                self.agent.abort(request_id, peer_name=msg.sender.name)
+                self._release_on_sender(msg)
                 self.reply_to.pop(request_id, None)
                 return
         if request_id in self.reading:
@@ -164,6 +181,10 @@ class DecodeServer(EngineServer):
             self.agent.abort(request_id)  # blocks are freed on the ReadFailed that follows
             self.reply_to.pop(request_id, None)
             return
+        if request_id not in self.engine.seqs:
+            self.early_aborts[request_id] = None
+            while len(self.early_aborts) > 10_000:
+                self.early_aborts.popitem(last=False)
         super().abort(request_id)
 
     def extra_load(self) -> dict:
