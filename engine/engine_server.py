@@ -107,8 +107,13 @@ class EngineServer:
                 self.fail_all("internal error in the engine step")
 
     def run_once(self) -> None:
-        idle = not self.engine.has_unfinished() and not self.has_pending_work()
-        self._receive(timeout_ms=20 if idle else 0)
+        # Never spin: with transfers pending but nothing to step, wait 1 ms (releasing the GIL
+        # for the transfer agent's thread); fully idle, 20 ms.
+        if self.engine.has_unfinished():
+            timeout_ms = 0
+        else:
+            timeout_ms = 1 if self.has_pending_work() else 20
+        self._receive(timeout_ms)
         self.before_step()
         if self.engine.has_unfinished():
             self.publish(self.engine.step())
