@@ -28,6 +28,18 @@ def _check_rid(rid: str) -> None:
         raise ValueError("request_id must be a non-empty string of at most 256 chars")
 
 
+def _check_request(msg) -> None:
+    """Fields every request to a worker carries."""
+    _check_rid(msg.request_id)
+    _check_ids("prompt_token_ids", msg.prompt_token_ids)
+    if not msg.prompt_token_ids:
+        raise ValueError("prompt_token_ids must not be empty")
+    if not isinstance(msg.sampling, SamplingParams):
+        raise ValueError("sampling must be SamplingParams")
+    if not isinstance(msg.reply_to, str) or "://" not in msg.reply_to:
+        raise ValueError("reply_to must be a ZMQ endpoint")
+
+
 @message("generate")
 @dataclass(slots=True)
 class GenerateRequest:
@@ -39,12 +51,7 @@ class GenerateRequest:
     reply_to: str  # ZMQ endpoint of the router's token sink
 
     def __post_init__(self) -> None:
-        _check_rid(self.request_id)
-        _check_ids("prompt_token_ids", self.prompt_token_ids)
-        if not self.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if not isinstance(self.sampling, SamplingParams):
-            raise ValueError("sampling must be SamplingParams")
+        _check_request(self)
 
 
 @message("prefill")
@@ -60,12 +67,7 @@ class PrefillRequest:
     decode_endpoint: str  # where the prefill worker sends the KV hand-off
 
     def __post_init__(self) -> None:
-        _check_rid(self.request_id)
-        _check_ids("prompt_token_ids", self.prompt_token_ids)
-        if not self.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if not isinstance(self.sampling, SamplingParams):
-            raise ValueError("sampling must be SamplingParams")
+        _check_request(self)
 
 
 @message("tokens")
