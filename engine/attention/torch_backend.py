@@ -90,7 +90,10 @@ class TorchAttentionBackend:
 
     def _decode(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
         """qd: [b, heads, head_dim], one query per sequence. Returns the same shape."""
-        kb, vb = cache.gather(layer, plan.tables, qd.dtype)  # [b, blocks, bs, h, d]
+        dt = qd.dtype
+        if qd.device.type == "cpu":
+            return self._decode_cpu(layer, qd, cache, plan).to(dt)
+        kb, vb = cache.gather(layer, plan.tables, dt)  # [b, blocks, bs, h, d]
         b, h, d = kb.shape[0], kb.shape[-2], kb.shape[-1]
         kb = kb.reshape(b, -1, h, d)
         vb = vb.reshape(b, -1, h, d)
@@ -101,6 +104,28 @@ class TorchAttentionBackend:
             scale=self.scale, enable_gqa=qd.shape[1] != h,
         )
         return o.squeeze(2)
+
+    def _decode_cpu(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+        """Decode attention as two fp32 batched matmuls. On CPU, SDPA's one-query-per-sequence
+        case is slow (and slower still in bf16, which these CPUs emulate): measured 2-7x."""
+        f32 = torch.float32
+        kb, vb = cache.gather(layer, plan.tables, cache.data.dtype if cache.scales is None else f32)
+        b, h, d = kb.shape[0], kb.shape[-2], kb.shape[-1]
+        kb = kb.view(b, -1, h, d)
+        vb = vb.view(b, -1, h, d)
+        if plan.mask is None:
+            kb, vb = kb[:, : plan.ctx], vb[:, : plan.ctx]
+        # One copy each: heads to the front (so every matmul operand is a plain or transposed
+        # contiguous matrix, with no hidden copies inside matmul) and up to fp32.
+        keys = kb.shape[1]
+        k = torch.empty(b, h, keys, d, dtype=f32).copy_(kb.transpose(1, 2))
+        v = torch.empty(b, h, keys, d, dtype=f32).copy_(vb.transpose(1, 2))
+        q = qd.to(f32).reshape(b, h, -1, d)  # query heads grouped by their kv head (GQA)
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(self.scale)  # [b, h, g, keys]
+        if plan.mask is not None:
+            scores.masked_fill_(~plan.mask, float("-inf"))
+        probs = scores.softmax(-1)
+        return torch.matmul(probs, v).view(b, -1, d)  # [b, heads, d]
 
     def _prefill_one(self, layer, i, q, k, v, out, cache, meta) -> None:
         start, end = meta.query_start[i], meta.query_start[i + 1]
@@ -114,7 +139,14 @@ class TorchAttentionBackend:
             ks = kb.reshape(-1, kb.shape[-2], kb.shape[-1])[:ctx]
             vs = vb.reshape(-1, vb.shape[-2], vb.shape[-1])[:ctx]
         ks, vs = ks.transpose(0, 1), vs.transpose(0, 1)
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            # CPUs without bf16 instructions emulate bf16 SDPA several times slower than fp32;
+            # the math is fp32 inside either way, so up-cast the inputs and round the output.
+            qs, ks, vs = qs.float(), ks.float(), vs.float()
         gqa = qs.shape[0] != ks.shape[0]
+        # A batch dim of 1: with 3-D inputs CPU SDPA takes its unfused "math" path, which
+        # materialises the whole score matrix (measured 16x slower at 256 tokens).
+        qs, ks, vs = qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0)
         if computed == 0 and self.sliding_window is None:
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=gqa
@@ -128,4 +160,4 @@ class TorchAttentionBackend:
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=gqa
             )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)

@@ -19,8 +19,9 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.rope import rope_tables, rotate_half
 
-# Tokens per call from which a bf16 GEMM runs as an fp32 GEMM on up-cast copies (see Linear).
-UPCAST_MIN_TOKENS = 8
+# Rows per call from which a bf16 GEMM runs as an fp32 GEMM on up-cast copies (see Linear);
+# below it the GEMV kernel wins (measured crossover between 32 and 64 rows on the 2-core box).
+UPCAST_MIN_TOKENS = 48
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,24 +39,30 @@ def cpu_has_native_bf16_gemm() -> bool:
 
 
 class Linear(nn.Linear):
-    """nn.Linear that can run a bf16 GEMM as fp32 on CPUs with no bf16 instructions.
+    """nn.Linear that routes bf16 GEMMs around the slow paths of CPUs with no bf16 instructions.
 
-    Without AVX512-BF16/AMX, oneDNN emulates bf16 GEMMs several times slower than fp32 ones
-    (measured on this project's CPU box: ~30-60 vs ~300 GFLOP/s). From `upcast_min_tokens` rows
-    on, we up-cast x and the weight to fp32, multiply, and round the result to bf16: the
-    products of bf16 values are exact in fp32 and the sum is fp32, which is what a native bf16
-    GEMM with fp32 accumulation computes (up to summation order). Below it (decode of a few
-    sequences) the GEMM is bandwidth-bound and the bf16 weight is read as is, at half the bytes.
-    `upcast_min_tokens` None disables this (GPU, fp32, native bf16).
+    Without AVX512-BF16/AMX, torch's bf16 GEMM (oneDNN's emulation) runs several times slower
+    than fp32 (measured on this project's 2-core box: ~30-60 vs ~300 GFLOP/s at 512+ rows, and
+    only half the memory bandwidth at one row). So, when enabled (`CausalLM.set_gemm_upcast`):
+    - from `upcast_min_tokens` rows on (prefill, large decode batches) x and the weight are
+      up-cast to fp32, multiplied, and the result rounded to bf16;
+    - below it (decode batches: bound by reading the weight) the AVX-512 kernel in
+      `engine.models.bf16_gemv` streams the bf16 weight once and widens it in registers.
+    Both compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
+    fp32), up to summation order. None disables both (GPU, fp32, CPUs with native bf16).
     """
 
     upcast_min_tokens: int | None = None
+    gemv = None  # the compiled bf16 GEMV op, when available
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = self.upcast_min_tokens
-        if n is not None and x.shape[0] >= n:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        if n is not None:
+            if x.shape[0] >= n:
+                bias = None if self.bias is None else self.bias.float()
+                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            if self.gemv is not None and x.dim() == 2:
+                return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -66,10 +73,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm: normalize in fp32, scale in x's dtype.
+        # Same math as transformers' LlamaRMSNorm: normalize in fp32 (torch's fused kernel:
+        # x * rsqrt(mean(x^2) + eps), one op instead of five), scale in x's dtype.
         dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(dtype)
 
 
@@ -176,10 +183,19 @@ class CausalLM(nn.Module):
         )
 
     def set_gemm_upcast(self, enabled: bool, min_tokens: int = UPCAST_MIN_TOKENS) -> None:
-        """Route bf16 GEMMs of >= min_tokens rows through fp32 (see `Linear`)."""
+        """Route bf16 GEMMs of >= min_tokens rows through fp32 and smaller ones through the
+        bf16 GEMV kernel when it builds (see `Linear`)."""
+        gemv = None
+        if enabled:
+            from engine.models import bf16_gemv
+
+            gemv = bf16_gemv.load()
+            if gemv is not None and not bf16_gemv.check(gemv):
+                gemv = None
         for m in self.modules():
             if isinstance(m, Linear):
                 m.upcast_min_tokens = min_tokens if enabled else None
+                m.gemv = gemv
 
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

@@ -1,0 +1,57 @@
+"""The two engine benchmarks run end to end in `--quick` mode (tiny model) and write the
+fields their reports are built from. No timing is asserted: the machine is shared."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, out: Path, model_dir: Path) -> tuple[str, dict]:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out),
+         "--model-dir", str(model_dir)],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_offline_throughput_quick(make_tiny_model, tmp_path):
+    stdout, r = _run("offline_throughput.py", tmp_path / "ot.json", make_tiny_model("llama"))
+    assert "ratio vs padded batches" in stdout and "ratio vs one at a time" in stdout
+    for side in ("tandem", "hf_batched", "hf_single"):
+        assert r[side]["output_tokens_per_s"] > 0
+        assert r[side]["output_tokens"] > 0
+    # The tandem run and the padded batches cover every request's requested tokens.
+    assert r["tandem"]["output_tokens"] == r["config"]["total_output_tokens"]
+    assert r["hf_batched"]["output_tokens"] == r["config"]["total_output_tokens"]
+    assert r["ratio_vs_hf_batched"] == pytest.approx(
+        r["tandem"]["output_tokens_per_s"] / r["hf_batched"]["output_tokens_per_s"]
+    )
+    assert r["ratio_vs_hf_single"] > 0
+    assert isinstance(r["meets_goals"], bool)
+
+
+@pytest.mark.timeout(300)
+def test_roofline_quick(make_tiny_model, tmp_path):
+    stdout, r = _run("roofline.py", tmp_path / "rf.json", make_tiny_model("llama"))
+    assert "of the bandwidth bound" in stdout and "of the GEMM peak" in stdout
+    assert r["read_bandwidth"]["best_bytes_per_s"] > 0
+    assert r["gemm_peak"]["peak_flops"] > 0
+    res = r["results"][r["config"]["dtype"]]
+    for b in ("1", "16"):
+        d = res["decode"][b]
+        assert d["weight_bytes"] > 0 and d["kv_bytes"] > 0
+        assert d["fraction_of_bound"] == pytest.approx(
+            d["bound_seconds"] / d["step_seconds"]["median"]
+        )
+    assert res["prefill"]["tokens"] == 128 and res["prefill"]["fraction_of_peak"] > 0
+    assert r["decode_b1_fraction"] == res["decode"]["1"]["fraction_of_bound"]
