@@ -1,0 +1,392 @@
+"""`tandem profile`: the latency profile of one worker, measured in-process (no Ray, no HTTP).
+
+Lifecycle of a run (`profile_model`):
+1. build one `LLMEngine` on this process's threads (default 1: one worker's core share), with
+   prefix caching off (repeated prompts must be computed, not looked up) and a token budget
+   that fits the longest prompt in one step;
+2. warm up (one short prefill + a few decode steps, so lazy allocations are not timed);
+3. prefill: for each prompt length, `repeats` fresh random prompts with max_tokens=1, each
+   timed as the one `engine.step()` that computes the prompt and samples the first token
+   (the median is reported: TTFT of an idle worker);
+4. decode: one batch-1 request grows from a short prompt to `max_position` tokens, every step
+   timed; the time of the step that reads a context of P tokens is the per-token decode cost at
+   position P (reported at `positions` as the median of a small window of steps around it);
+5. report: JSON (every raw sample, the medians, the machine) and two PNGs,
+   prefill_latency.png and decode_latency.png.
+
+These are the per-worker numbers the planner's sizing rule needs: prefill tokens/s against
+prompt length, and the decode step time against context length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2000)
+DEFAULT_OUT = "benchmarks/results/profile"
+
+
+@dataclass(slots=True)
+class ProfileConfig:
+    model: str
+    dtype: str = "float32"
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    positions: tuple[int, ...] | None = None  # None: ~12 evenly spaced up to max_position
+    max_position: int | None = None  # None: the model's context window
+    repeats: int = 3
+    threads: int = 1
+    window: int = 8  # decode steps around each reported position
+    seed: int = 0
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not self.lengths or any(n < 1 for n in self.lengths):
+            raise ValueError(f"lengths must be positive, got {self.lengths}")
+        self.lengths = tuple(sorted(set(self.lengths)))
+        if self.positions is not None:
+            if not self.positions or any(p < 1 for p in self.positions):
+                raise ValueError(f"positions must be positive, got {self.positions}")
+            self.positions = tuple(sorted(set(self.positions)))
+        if self.max_position is not None and self.max_position < 2:
+            raise ValueError(f"max_position must be >= 2, got {self.max_position}")
+        for name in ("repeats", "threads", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class PrefillPoint:
+    prompt_len: int
+    median_s: float
+    samples_s: list[float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.prompt_len / self.median_s
+
+
+@dataclass(slots=True)
+class DecodePoint:
+    position: int  # context tokens the step attends over
+    median_s: float
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    config: ProfileConfig
+    prefill: list[PrefillPoint]
+    decode: list[DecodePoint]
+    decode_steps_s: list[float]  # raw: index i is the step at position decode_start + i
+    decode_start: int
+    machine: dict = field(default_factory=dict)
+    started_at: str = ""
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.config.model,
+            "started_at": self.started_at,
+            "config": asdict(self.config),
+            "machine": self.machine,
+            "prefill": [
+                {
+                    "prompt_len": p.prompt_len,
+                    "median_ms": p.median_s * 1e3,
+                    "tokens_per_s": p.tokens_per_s,
+                    "samples_ms": [s * 1e3 for s in p.samples_s],
+                }
+                for p in self.prefill
+            ],
+            "decode": [
+                {
+                    "position": d.position,
+                    "median_ms": d.median_s * 1e3,
+                    "tokens_per_s": 1.0 / d.median_s,
+                }
+                for d in self.decode
+            ],
+            "decode_raw": {
+                "first_position": self.decode_start,
+                "step_ms": [s * 1e3 for s in self.decode_steps_s],
+            },
+        }
+
+
+def _machine(threads: int) -> dict:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "logical_cpus": os.cpu_count(),
+        "torch_threads": threads,
+        "load_avg_1_5_15": list(os.getloadavg()),
+        "torch": torch.__version__,
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
+
+
+def _random_prompt(rng, n: int, vocab: int) -> list[int]:
+    # Ids above the special tokens and below the vocab; fresh per call so nothing is cached.
+    return [int(t) for t in rng.integers(16, vocab, size=n)]
+
+
+def _timed_step(engine) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    return time.perf_counter() - t0
+
+
+def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
+    import numpy as np
+    import torch
+
+    from engine.config import ModelConfig
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    torch.set_num_threads(cfg.threads)
+    machine = _machine(cfg.threads)
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    mc = ModelConfig.from_pretrained(cfg.model)  # the context window sizes the engine
+    window_len = mc.max_position
+    max_position = min(cfg.max_position or window_len, window_len)
+    lengths = tuple(n for n in cfg.lengths if n < window_len)
+    if not lengths:
+        raise ValueError(f"every length is >= the context window ({window_len})")
+    longest = max(max(lengths), max_position)
+    engine = LLMEngine(
+        EngineConfig(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
+            attention_backend=cfg.attention_backend,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=longest,
+            max_num_seqs=4,
+            # Room for the longest request plus slack; no auto-sizing from a memory budget.
+            num_kv_blocks=2 * (-(-longest // 16)) + 8,
+            max_model_len=window_len,
+            seed=cfg.seed,
+        )
+    )
+    rng = np.random.default_rng(cfg.seed)
+    vocab = mc.vocab_size
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rid = iter(range(1 << 30))
+
+    def one_prefill(n: int) -> float:
+        name = f"prefill-{next(rid)}"
+        engine.add_request(name, _random_prompt(rng, n, vocab), greedy_one)
+        elapsed = _timed_step(engine)
+        if engine.has_unfinished():
+            raise RuntimeError(f"a {n}-token prompt did not prefill in one step")
+        engine.pop_finished(name)
+        return elapsed
+
+    # Warm-up: first calls allocate workspaces and pick kernels.
+    for n in (min(lengths), max(lengths)):
+        one_prefill(n)
+
+    prefill: list[PrefillPoint] = []
+    for n in lengths:
+        samples = [one_prefill(n) for _ in range(cfg.repeats)]
+        point = PrefillPoint(n, statistics.median(samples), samples)
+        prefill.append(point)
+        log(
+            f"prefill {n:>5} tokens: {point.median_s * 1e3:8.1f} ms "
+            f"({point.tokens_per_s:8.0f} tok/s)"
+        )
+
+    # Decode: one sequence from a short prompt to max_position tokens, each step timed.
+    start = min(16, max_position - 1)
+    steps_to_run = max_position - start
+    name = "decode-0"
+    engine.add_request(
+        name,
+        _random_prompt(rng, start, vocab),
+        SamplingParams(max_tokens=steps_to_run, temperature=0.0, ignore_eos=True),
+    )
+    _timed_step(engine)  # the prefill of the short prompt: not a decode step
+    steps: list[float] = []
+    next_report = time.perf_counter() + 5.0
+    while engine.has_unfinished():
+        steps.append(_timed_step(engine))
+        if time.perf_counter() > next_report:
+            log(f"decode position {start + len(steps)}/{max_position}")
+            next_report += 5.0
+    engine.pop_finished(name)
+    # Step i reads the prompt plus i+1 outputs: its context is start + 1 + i tokens.
+    first_pos = start + 1
+    positions = cfg.positions or tuple(
+        sorted({int(p) for p in np.linspace(first_pos, first_pos + len(steps) - 1, 12)})
+    )
+    decode: list[DecodePoint] = []
+    for p in positions:
+        i = p - first_pos
+        if not 0 <= i < len(steps):
+            continue
+        lo, hi = max(0, i - cfg.window // 2), min(len(steps), i + cfg.window // 2 + 1)
+        decode.append(DecodePoint(p, statistics.median(steps[lo:hi])))
+    for d in decode:
+        log(f"decode at position {d.position:>5}: {d.median_s * 1e3:7.2f} ms/token")
+    return ProfileResult(cfg, prefill, decode, steps, first_pos, machine, started_at)
+
+
+def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
+    # Agg canvas on a Figure directly: no pyplot, so no GUI backend and no global state.
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = Path(result.config.model).name
+    threads = result.config.threads
+    paths = []
+
+    fig = Figure(figsize=(6.4, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    xs = [p.prompt_len for p in result.prefill]
+    ax.plot(xs, [p.median_s * 1e3 for p in result.prefill], "o-", label="median")
+    for p in result.prefill:
+        ax.scatter(
+            [p.prompt_len] * len(p.samples_s),
+            [s * 1e3 for s in p.samples_s],
+            s=8,
+            color="gray",
+            alpha=0.5,
+        )
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("prefill latency (ms)")
+    ax.set_title(f"prefill latency, {name}, {result.config.dtype}, {threads} thread(s)")
+    ax.grid(alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.plot(
+        xs,
+        [p.tokens_per_s for p in result.prefill],
+        "s--",
+        color="tab:orange",
+        alpha=0.7,
+        label="tokens/s",
+    )
+    ax2.set_ylabel("prefill tokens/s", color="tab:orange")
+    ax2.set_ylim(bottom=0)
+    fig.tight_layout()
+    paths.append(out_dir / "prefill_latency.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    fig = Figure(figsize=(6.4, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    raw = np.array(result.decode_steps_s) * 1e3
+    pos = np.arange(result.decode_start, result.decode_start + len(raw))
+    ax.plot(pos, raw, ".", ms=2, color="gray", alpha=0.4, label="each step")
+    ax.plot(
+        [d.position for d in result.decode],
+        [d.median_s * 1e3 for d in result.decode],
+        "o-",
+        label=f"median of {result.config.window} steps",
+    )
+    ax.set_xlabel("position (context tokens)")
+    ax.set_ylabel("decode time per token (ms), batch 1")
+    ax.set_title(f"decode latency, {name}, {result.config.dtype}, {threads} thread(s)")
+    top = float(np.percentile(raw, 99)) * 1.3 if len(raw) else 1.0
+    ax.set_ylim(0, top)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "decode_latency.png")
+    fig.savefig(paths[-1], dpi=110)
+    return paths
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", default=None, help="local HF model directory (default: the demo's `small` model)"
+    )
+    p.add_argument("--dtype", default="float32")
+    p.add_argument(
+        "--lengths",
+        type=_int_list,
+        default=DEFAULT_LENGTHS,
+        help="prompt lengths to prefill, comma-separated",
+    )
+    p.add_argument(
+        "--positions",
+        type=_int_list,
+        default=None,
+        help="decode positions to report (default: 12 evenly spaced)",
+    )
+    p.add_argument(
+        "--max-position",
+        type=int,
+        default=None,
+        help="grow the decode sequence to this many tokens (default: context window)",
+    )
+    p.add_argument("--repeats", type=int, default=3, help="prefill runs per length (median)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (one worker's share)")
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=DEFAULT_OUT, help="directory for profile.json and the PNGs")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model
+    if model is None:
+        from cluster.demo import demo_model
+
+        model = str(demo_model(args.seed))
+    try:
+        cfg = ProfileConfig(
+            model=str(model),
+            dtype=args.dtype,
+            lengths=args.lengths,
+            positions=args.positions,
+            max_position=args.max_position,
+            repeats=args.repeats,
+            threads=args.threads,
+            seed=args.seed,
+            load_format=args.load_format,
+            attention_backend=args.attention_backend,
+        )
+        result = profile_model(cfg, log=lambda m: print(m, flush=True))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem profile: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path = out / "profile.json"
+    json_path.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    for path in [json_path, *plot_profile(result, out)]:
+        print(f"wrote {path}")
+    return 0
