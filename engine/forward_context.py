@@ -6,6 +6,7 @@ never leak one batch's block tables into the next.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,20 +26,21 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor  # context_lens of decode_idx sequences
 
 
-_CONTEXT: AttentionMetadata | None = None
+# Thread-local: two engines in one process (tests, benchmarks) each run their own steps.
+_LOCAL = threading.local()
 
 
 @contextmanager
 def forward_context(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
-    global _CONTEXT
-    _CONTEXT = meta
+    _LOCAL.meta = meta
     try:
         yield meta
     finally:
-        _CONTEXT = None
+        _LOCAL.meta = None
 
 
 def get_forward_context() -> AttentionMetadata:
-    if _CONTEXT is None:
+    meta = getattr(_LOCAL, "meta", None)
+    if meta is None:
         raise RuntimeError("attention called outside forward_context()")
-    return _CONTEXT
+    return meta
