@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import time
 
 import openai
 import pytest
@@ -163,12 +164,16 @@ def test_32_concurrent_match_hf(server, e2e_model):
     assert decisions['tandem_disagg_decisions_total{path="local"}'] == local
     assert decisions['tandem_disagg_decisions_total{path="remote"}'] == len(prompts) - local
     assert 0 < local < len(prompts)
-    # Remote prefills really moved KV over NIXL.
-    moved = sum(
-        v
-        for k, v in after.items()
-        if k.startswith("tandem_kv_transfer_bytes_total") and 'role="decode"' in k
-    )
+    # Remote prefills really moved KV over NIXL (load reports reach /metrics within ~1 s).
+    deadline = time.time() + 15
+    moved = 0.0
+    while moved <= 0 and time.time() < deadline:
+        moved = sum(
+            v
+            for k, v in server.metrics().items()
+            if k.startswith("tandem_kv_transfer_bytes_total") and 'role="decode"' in k
+        )
+        time.sleep(0.3)
     assert moved > 0
 
 
