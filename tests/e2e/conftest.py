@@ -87,10 +87,14 @@ class ServeProcess:
         workers, ... all inherit it): after a clean shutdown there must be none."""
         deadline = time.time() + timeout
         while True:
-            ps = subprocess.run(["ps", "-eo", "sid=,pid=,args="], capture_output=True,
-                                text=True, check=True).stdout
-            left = [line.strip() for line in ps.splitlines()
-                    if line.split(None, 1)[0] == str(self.proc.pid)]
+            ps = subprocess.run(
+                ["ps", "-eo", "sid=,pid=,args="], capture_output=True, text=True, check=True
+            ).stdout
+            left = [
+                line.strip()
+                for line in ps.splitlines()
+                if line.split(None, 1)[0] == str(self.proc.pid)
+            ]
             if not left or time.time() > deadline:
                 return left
             time.sleep(0.5)

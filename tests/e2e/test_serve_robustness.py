@@ -170,8 +170,7 @@ def test_chat_completion_uses_the_template(server, e2e_model):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     model = client.models.list().data[0].id
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
-                                       temperature=0)
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
     tok = AutoTokenizer.from_pretrained(e2e_model)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert r.usage.prompt_tokens == len(tok(ids, add_special_tokens=False)["input_ids"])
