@@ -46,4 +46,4 @@ def select_backend(
         return FlashAttentionBackend(scale, sliding_window)
     from engine.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend(scale, sliding_window)
+    return TorchAttentionBackend(scale, sliding_window, cpu_kernel=device.type == "cpu")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.forward_context import AttentionMetadata, get_forward_context
 from engine.kv_cache import KVCache
 
@@ -27,14 +28,19 @@ class _DecodePlan:
     tables: torch.Tensor  # [b, blocks] block ids, trimmed to the longest decode context
     ctx: int  # keys to attend to when b == 1 (then no mask is needed)
     mask: torch.Tensor | None  # [b, 1, 1, keys] bool, None when b == 1 without a window
+    lens: torch.Tensor  # [b] int64 keys per decode (the new token's included)
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, scale: float, sliding_window: int | None = None):
+    def __init__(
+        self, scale: float, sliding_window: int | None = None, cpu_kernel: bool = True
+    ):
         self.scale = scale
         self.sliding_window = sliding_window
+        # The compiled paged decode for CPU (None: the gather reference below is used).
+        self._kernel = kernels.get("paged_decode") if cpu_kernel else None
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _DecodePlan | None = None
         self._blocks: torch.Tensor | None = None  # the step's slots split for KVCache.write_at
@@ -74,7 +80,8 @@ class TorchAttentionBackend:
             else:
                 tables = meta.block_tables[meta.decode_idx, :nblocks]
             mask = None
-            if len(idx) > 1 or self.sliding_window is not None:
+            uses_mask = device.type != "cpu" or self._kernel is None
+            if uses_mask and (len(idx) > 1 or self.sliding_window is not None):
                 pos = torch.arange(nblocks * bs, device=device)
                 lens_t = meta.decode_context_lens
                 m = pos[None, :] < lens_t[:, None]
@@ -83,7 +90,7 @@ class TorchAttentionBackend:
                 mask = m[:, None, None, :]
             plan = _DecodePlan(
                 rows=None if contiguous else torch.tensor(rows, device=device),
-                tables=tables, ctx=lens[0], mask=mask,
+                tables=tables, ctx=lens[0], mask=mask, lens=meta.decode_context_lens,
             )
         self._plan_meta, self._plan = meta, plan
         return plan
@@ -106,8 +113,18 @@ class TorchAttentionBackend:
         return o.squeeze(2)
 
     def _decode_cpu(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
-        """Decode attention as two fp32 batched matmuls. On CPU, SDPA's one-query-per-sequence
-        case is slow (and slower still in bf16, which these CPUs emulate): measured 2-7x."""
+        if self._kernel is not None:  # reads the blocks in place: no gather, no copies
+            k, v, ks, vs = cache.layer_views(layer)
+            return self._kernel(
+                qd.float(), k, v, ks, vs, plan.tables, plan.lens, self.scale,
+                self.sliding_window or 0,
+            )
+        return self._decode_cpu_gather(layer, qd, cache, plan)
+
+    def _decode_cpu_gather(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+        """Decode attention as two fp32 batched matmuls over gathered K/V. On CPU, SDPA's
+        one-query-per-sequence case is slow (and slower still in bf16, which these CPUs
+        emulate): measured 2-7x."""
         f32 = torch.float32
         kb, vb = cache.gather(layer, plan.tables, cache.data.dtype if cache.scales is None else f32)
         b, h, d = kb.shape[0], kb.shape[-2], kb.shape[-1]

@@ -19,9 +19,10 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.rope import rope_tables, rotate_half
 
-# Rows per call from which a bf16 GEMM runs as an fp32 GEMM on up-cast copies (see Linear);
-# below it the GEMV kernel wins (measured crossover between 32 and 64 rows on the 2-core box).
-UPCAST_MIN_TOKENS = 48
+# Row counts that pick the bf16 GEMM on CPUs without bf16 instructions (see Linear); measured
+# on the project's 2-core box (`python benchmarks/cpu_kernels.py`).
+GEMV_MAX_ROWS = 3  # up to here: bandwidth-bound GEMV, one pass over the weight
+TILED_MAX_ROWS = 64  # up to here: the 4x4-tiled kernel; beyond it: oneDNN fp32 on widened copies
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,32 +39,40 @@ def cpu_has_native_bf16_gemm() -> bool:
     return True
 
 
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    # copy_ into a fresh fp32 tensor: measured ~5x faster than t.float() for bf16 on CPU.
+    return torch.empty(t.shape, dtype=torch.float32).copy_(t)
+
+
 class Linear(nn.Linear):
     """nn.Linear that routes bf16 GEMMs around the slow paths of CPUs with no bf16 instructions.
 
     Without AVX512-BF16/AMX, torch's bf16 GEMM (oneDNN's emulation) runs several times slower
-    than fp32 (measured on this project's 2-core box: ~30-60 vs ~300 GFLOP/s at 512+ rows, and
-    only half the memory bandwidth at one row). So, when enabled (`CausalLM.set_gemm_upcast`):
-    - from `upcast_min_tokens` rows on (prefill, large decode batches) x and the weight are
-      up-cast to fp32, multiplied, and the result rounded to bf16;
-    - below it (decode batches: bound by reading the weight) the AVX-512 kernel in
-      `engine.models.bf16_gemv` streams the bf16 weight once and widens it in registers.
-    Both compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
-    fp32), up to summation order. None disables both (GPU, fp32, CPUs with native bf16).
+    than fp32. When enabled (`CausalLM.use_cpu_bf16_kernels`), by the number of rows:
+    - up to GEMV_MAX_ROWS: `bf16_gemv` (engine.kernels) streams the bf16 weight once;
+    - up to TILED_MAX_ROWS: `bf16_linear`, the 4x4-tiled kernel (decode batches, small chunks);
+    - beyond: x and the weight are widened to fp32 and multiplied by oneDNN's fp32 GEMM, which
+      is faster than the tiled kernel once the widening is amortised over hundreds of rows.
+    All compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
+    fp32), up to summation order, and round the result to bf16. A missing kernel falls through
+    to the next path. `cpu_ops` None disables the routing (GPU, fp32, CPUs with native bf16).
     """
 
-    upcast_min_tokens: int | None = None
-    gemv = None  # the compiled bf16 GEMV op, when available
+    cpu_ops = None  # engine.kernels.CpuOps when routing is on
+    widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.upcast_min_tokens
-        if n is not None:
-            if x.shape[0] >= n:
-                bias = None if self.bias is None else self.bias.float()
-                return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-            if self.gemv is not None and x.dim() == 2:
-                return self.gemv(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        ops = self.cpu_ops
+        if ops is None and not self.widen_fallback:
+            return F.linear(x, self.weight, self.bias)
+        m = x.shape[0] if x.dim() == 2 else -1
+        if ops is not None and 0 < m <= TILED_MAX_ROWS:
+            if m <= GEMV_MAX_ROWS and ops.bf16_gemv is not None:
+                return ops.bf16_gemv(x, self.weight, self.bias)
+            if ops.bf16_linear is not None:
+                return ops.bf16_linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else _widen(self.bias)
+        return F.linear(_widen(x), _widen(self.weight), bias).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -176,26 +185,22 @@ class CausalLM(nn.Module):
         cos, sin = cos.to(self.lm_head.weight.device), sin.to(self.lm_head.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.set_gemm_upcast(
+        self.use_cpu_bf16_kernels(
             prev == torch.bfloat16
             and self.lm_head.weight.device.type == "cpu"
             and not cpu_has_native_bf16_gemm()
         )
 
-    def set_gemm_upcast(self, enabled: bool, min_tokens: int = UPCAST_MIN_TOKENS) -> None:
-        """Route bf16 GEMMs of >= min_tokens rows through fp32 and smaller ones through the
-        bf16 GEMV kernel when it builds (see `Linear`)."""
-        gemv = None
-        if enabled:
-            from engine.models import bf16_gemv
+    def use_cpu_bf16_kernels(self, enabled: bool) -> None:
+        """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
+        `Linear`); without the kernels, only the widened fp32 path is used."""
+        from engine import kernels
 
-            gemv = bf16_gemv.load()
-            if gemv is not None and not bf16_gemv.check(gemv):
-                gemv = None
+        ops = kernels.ops() if enabled else None
         for m in self.modules():
             if isinstance(m, Linear):
-                m.upcast_min_tokens = min_tokens if enabled else None
-                m.gemv = gemv
+                m.cpu_ops = ops
+                m.widen_fallback = enabled
 
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

@@ -1,0 +1,108 @@
+"""CPU kernels in C++, compiled on first use: what the CPU reference path cannot do fast in torch.
+
+- `bf16_linear`: bf16-weight GEMV/GEMM for CPUs without bf16 instructions (AVX-512 only).
+- `paged_decode`: decode attention reading the paged KV cache in place (any x86/ARM CPU;
+  AVX-512 intrinsics where available).
+
+`ops()` compiles all of them as one extension (one compile of torch's headers, ~30-60 s the
+first time on a 2-core box, then cached on disk by torch's cpp_extension under
+TORCH_EXTENSIONS_DIR) and checks each op against a torch reference; an op that fails its check
+or does not exist on this CPU is None, and callers then keep their torch path. `ops()` returns
+None when the build is impossible (no compiler, no ninja) or `TANDEM_CPU_KERNELS=0`.
+GPU engines never call it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from engine.kernels import bf16_linear, paged_decode
+
+log = logging.getLogger(__name__)
+
+_HEADER = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+"""
+
+
+@dataclass(frozen=True)
+class CpuOps:
+    bf16_gemv: Any = None  # (x [M<=3, K] bf16, w [N, K] bf16, bias | None) -> [M, N] bf16
+    bf16_linear: Any = None  # (x [M, K] bf16|fp32, w [N, K] bf16, bias | None) -> [M, N] bf16
+    paged_decode: Any = None  # see engine.kernels.paged_decode
+
+
+def enabled() -> bool:
+    return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
+
+
+def source() -> str:
+    return "\n".join([
+        _HEADER, bf16_linear.SOURCE, paged_decode.SOURCE,
+        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
+        bf16_linear.BINDINGS, paged_decode.BINDINGS, "}",
+    ])
+
+
+@functools.lru_cache(maxsize=1)
+def ops() -> CpuOps | None:
+    """The checked ops, or None where nothing could be built (see the module docstring)."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        log.info("building tandem's CPU kernels (first use on this machine: up to a minute)")
+        mod = load_inline(
+            name="tandem_cpu_kernels",
+            cpp_sources=[source()],
+            # -march=native: compiled on the machine that runs it (torch caches per source
+            # and flags); omp simd lets the portable loops vectorise their fp32 reductions.
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, odd toolchain: keep the torch paths
+        log.warning("tandem CPU kernels unavailable (%s); using torch everywhere", exc)
+        return None
+    found = CpuOps(
+        bf16_gemv=getattr(mod, "bf16_gemv", None),
+        bf16_linear=getattr(mod, "bf16_linear", None),
+        paged_decode=getattr(mod, "paged_decode", None),
+    )
+    gemm_ok = found.bf16_linear is not None and _passes(bf16_linear.check, found)
+    attn_ok = found.paged_decode is not None and _passes(paged_decode.check, found)
+    for name, ok, present in (("bf16 linear", gemm_ok, found.bf16_linear),
+                              ("paged decode", attn_ok, found.paged_decode)):
+        if present is not None and not ok:
+            log.warning("tandem CPU kernel %r disagrees with its reference; not using it", name)
+    return CpuOps(
+        bf16_gemv=found.bf16_gemv if gemm_ok else None,
+        bf16_linear=found.bf16_linear if gemm_ok else None,
+        paged_decode=found.paged_decode if attn_ok else None,
+    )
+
+
+def _passes(check, found: CpuOps) -> bool:
+    try:
+        return bool(check(found))
+    except Exception as exc:  # a kernel that raises on a valid case is as bad as a wrong one
+        log.warning("tandem CPU kernel check raised %r", exc)
+        return False
+
+
+def get(name: str):
+    """One op by name, or None (kernels off, not built, or failed their check)."""
+    o = ops()
+    return None if o is None else getattr(o, name)

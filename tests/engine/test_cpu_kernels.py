@@ -1,0 +1,135 @@
+"""The compiled CPU kernels against their torch references, over the shapes the engine meets
+(and the awkward ones it might): GQA/MQA/MHA, head sizes on and off the AVX-512 path, ragged
+and sliding-window contexts, fp32/bf16/FP8 caches, odd GEMM shapes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.kernels import paged_decode
+
+OPS = kernels.ops()
+needs_ops = pytest.mark.skipif(OPS is None, reason="CPU kernels could not be built here")
+needs_bf16 = pytest.mark.skipif(
+    OPS is None or OPS.bf16_linear is None, reason="bf16 kernels need AVX-512"
+)
+
+
+def _cache(n_blocks, bs, kvh, d, dtype, g):
+    """A block-major cache like KVCache's ([blocks, layers=3, 2, bs, kvh, d]) and layer 1's
+    k/v views (and FP8 scales), so the kernel sees the real strides."""
+    data = torch.randn(n_blocks, 3, 2, bs, kvh, d, generator=g, dtype=torch.float32)
+    if dtype == torch.float8_e4m3fn:
+        scales = data.abs().amax(-1) / 448.0 + 1e-6
+        q8 = (data / scales.unsqueeze(-1)).to(dtype)
+        return q8[:, 1, 0], q8[:, 1, 1], scales[:, 1, 0], scales[:, 1, 1]
+    data = data.to(dtype)
+    return data[:, 1, 0], data[:, 1, 1], None, None
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,bs",
+    [(8, 4, 64, 16), (4, 4, 32, 16), (6, 1, 128, 8), (4, 2, 40, 16), (2, 2, 16, 32)],
+)
+@pytest.mark.parametrize("window", [0, 21])
+def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, bs, window):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + bs)
+    n_blocks = 40
+    lens = torch.tensor([1, bs, bs + 1, 3 * bs - 1, 7 * bs], dtype=torch.int64)
+    b = lens.numel()
+    width = 8
+    # Distinct blocks per sequence in shuffled order, padded with 0 like the engine's tables.
+    perm = torch.randperm(n_blocks, generator=g)
+    tables = torch.zeros(b, width, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        nb = -(-n // bs)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    kc, vc, ks, vs = _cache(n_blocks, bs, kv_heads, head_dim, dtype, g)
+    q = torch.randn(b, heads, head_dim, generator=g, dtype=torch.float32)
+    scale = head_dim**-0.5
+    got = OPS.paged_decode(q, kc, vc, ks, vs, tables, lens, scale, window)
+    ref = paged_decode.reference(q, kc, vc, ks, vs, tables, lens, scale, window)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+
+
+@needs_ops
+def test_paged_decode_strided_queries_and_bad_input():
+    g = torch.Generator().manual_seed(1)
+    kc, vc, _, _ = _cache(6, 16, 2, 64, torch.float32, g)
+    qkv = torch.randn(2, 8, 64, generator=g, dtype=torch.float32)
+    q = qkv[:, :4]  # a view into a fused projection, as the model passes it
+    tables = torch.tensor([[2, 5], [0, 3]], dtype=torch.int64)
+    lens = torch.tensor([20, 32], dtype=torch.int64)
+    got = OPS.paged_decode(q, kc, vc, None, None, tables, lens, 0.125, 0)
+    ref = paged_decode.reference(q, kc, vc, None, None, tables, lens, 0.125, 0)
+    torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-5)
+    with pytest.raises(RuntimeError, match="context length"):
+        OPS.paged_decode(q, kc, vc, None, None, tables, torch.tensor([20, 33]), 0.125, 0)
+    with pytest.raises(RuntimeError, match="q"):
+        OPS.paged_decode(q.to(torch.bfloat16), kc, vc, None, None, tables, lens, 0.125, 0)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 15, 16, 17, 64, 97])
+@pytest.mark.parametrize("n,k,bias", [(1, 7, False), (13, 80, True), (70, 515, False),
+                                      (256, 512, True)])
+def test_bf16_linear_matches_fp32_reference(m, n, k, bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    b = torch.randn(n, generator=g, dtype=torch.float32).to(torch.bfloat16) if bias else None
+    ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+    for op in (OPS.bf16_linear, OPS.bf16_gemv):
+        if op is OPS.bf16_gemv and m > 3:
+            continue
+        got = op(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        # fp32 accumulation then one rounding: within one bf16 ulp of the fp32 result
+        # (summation order differs from the reference's, so allow a hair more than 2^-8).
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-3 * k**0.5)
+
+
+@needs_bf16
+def test_linear_routes_every_row_count_to_the_same_result():
+    """engine.models.llama.Linear picks GEMV, tiled kernel or widened fp32 GEMM by row count;
+    every route must agree with fp32 math rounded once."""
+    from engine.models.llama import TILED_MAX_ROWS, Linear
+
+    g = torch.Generator().manual_seed(3)
+    lin = Linear(96, 40, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=g, dtype=torch.float32))
+        lin.bias.copy_(torch.randn(40, generator=g, dtype=torch.float32))
+    lin.cpu_ops, lin.widen_fallback = OPS, True
+    for m in (1, 3, 4, TILED_MAX_ROWS, TILED_MAX_ROWS + 1, 300):
+        x = torch.randn(m, 96, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        got = lin(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-2)
+
+
+def test_kernels_can_be_turned_off():
+    """TANDEM_CPU_KERNELS=0: nothing is built and the engine still generates (torch paths)."""
+    code = (
+        "import torch\n"
+        "from engine import kernels\n"
+        "assert kernels.ops() is None\n"
+        "from engine.attention import select_backend\n"
+        "b = select_backend('torch', torch.device('cpu'), 0.1, None)\n"
+        "assert b._kernel is None\n"
+        "print('off')\n"
+    )
+    env = {"TANDEM_CPU_KERNELS": "0", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "off"
