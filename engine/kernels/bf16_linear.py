@@ -27,41 +27,58 @@ SOURCE = r"""
 
 namespace bf16_linear {
 
-static inline __m512 widen(__m256i h) {
+inline __m512 widen16(const uint16_t* p, __mmask16 k) {
+    __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 widen16(const uint16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Rows [n0, n1) of out for activation rows [m0, m0 + MB): each weight chunk is loaded and
-// widened once and used for all MB rows.
+// How far ahead each weight row is prefetched. Four rows stream side by side, and the
+// hardware prefetcher alone left the GEMV at ~65% of a plain read's bandwidth; 512 bytes
+// ahead brought it to ~120% of torch's sum() (measured with 1 and 2 threads, 64 MB weight).
+constexpr int kPrefetchBytes = 512;
+
+// Weight rows [4 t0, 4 t1) x activation rows [0, MB): four weight rows at a time, each
+// chunk widened once and used for every activation row.
 template <int MB>
 static void rows(const uint16_t* wp, const float* xp, const float* bp, at::BFloat16* op,
-                 int64_t n0, int64_t n1, int64_t m0, int64_t K, int64_t N) {
-    const int64_t K32 = K - K % 32;
-    for (int64_t n = n0; n < n1; ++n) {
-        const uint16_t* row = wp + n * K;
-        __m512 a0[MB], a1[MB];
-        for (int m = 0; m < MB; ++m) { a0[m] = _mm512_setzero_ps(); a1[m] = _mm512_setzero_ps(); }
-        for (int64_t k = 0; k < K32; k += 32) {
-            __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(row + k));
-            __m512 lo = widen(_mm512_castsi512_si256(raw));
-            __m512 hi = widen(_mm512_extracti64x4_epi64(raw, 1));
-            for (int m = 0; m < MB; ++m) {
-                const float* xr = xp + (m0 + m) * K + k;
-                a0[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xr), a0[m]);
-                a1[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xr + 16), a1[m]);
+                 int64_t t0, int64_t t1, int64_t K, int64_t N) {
+    const int64_t K16 = K - K % 16;
+    const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+    for (int64_t t = t0; t < t1; ++t) {
+        const uint16_t* r[4];
+        for (int j = 0; j < 4; ++j) r[j] = wp + std::min(t * 4 + j, N - 1) * K;
+        __m512 a[4][MB];
+        for (int j = 0; j < 4; ++j)
+            for (int m = 0; m < MB; ++m) a[j][m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K16; k += 16) {
+            __m512 xv[MB];
+            for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(xp + m * K + k);
+            for (int j = 0; j < 4; ++j) {
+                _mm_prefetch(reinterpret_cast<const char*>(r[j] + k) + kPrefetchBytes,
+                             _MM_HINT_T0);
+                const __m512 wv = widen16(r[j] + k);
+                for (int m = 0; m < MB; ++m) a[j][m] = _mm512_fmadd_ps(wv, xv[m], a[j][m]);
             }
         }
-        for (int m = 0; m < MB; ++m) {
-            const float* xr = xp + (m0 + m) * K;
-            float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-            for (int64_t k = K32; k < K; ++k) {
-                uint32_t bits = static_cast<uint32_t>(row[k]) << 16;
-                float wv;
-                std::memcpy(&wv, &bits, 4);
-                acc += wv * xr[k];
+        if (K16 < K) {
+            __m512 xv[MB];
+            for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(tail, xp + m * K + K16);
+            for (int j = 0; j < 4; ++j) {
+                const __m512 wv = widen16(r[j] + K16, tail);
+                for (int m = 0; m < MB; ++m) a[j][m] = _mm512_fmadd_ps(wv, xv[m], a[j][m]);
             }
-            if (bp) acc += bp[n];
-            op[(m0 + m) * N + n] = at::BFloat16(acc);  // round to nearest even
+        }
+        for (int j = 0; j < 4 && t * 4 + j < N; ++j) {
+            const int64_t n = t * 4 + j;
+            for (int m = 0; m < MB; ++m) {
+                float acc = _mm512_reduce_add_ps(a[j][m]);
+                if (bp) acc += bp[n];
+                op[m * N + n] = at::BFloat16(acc);  // round to nearest even
+            }
         }
     }
 }
@@ -90,28 +107,17 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     const float* bp = bias.has_value() ? bv.data() : nullptr;
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     at::BFloat16* op = out.data_ptr<at::BFloat16>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) rows<4>(wp, xp, bp, op, n0, n1, m, K, N);
-        switch (M - m) {
-            case 3: rows<3>(wp, xp, bp, op, n0, n1, m, K, N); break;
-            case 2: rows<2>(wp, xp, bp, op, n0, n1, m, K, N); break;
-            case 1: rows<1>(wp, xp, bp, op, n0, n1, m, K, N); break;
-            default: break;
+    TORCH_CHECK(M >= 1 && M <= 3, "gemv takes 1-3 rows; use linear");
+    at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
+        switch (M) {
+            case 3: rows<3>(wp, xp, bp, op, t0, t1, K, N); break;
+            case 2: rows<2>(wp, xp, bp, op, t0, t1, K, N); break;
+            default: rows<1>(wp, xp, bp, op, t0, t1, K, N); break;
         }
     });
     return out;
 }
 
-
-inline __m512 widen16(const uint16_t* p, __mmask16 k) {
-    __m256i h = _mm256_maskz_loadu_epi16(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 widen16(const uint16_t* p) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 // Lane i of the result = the sum of the lanes of v[i] (16 horizontal sums in 15 adds).
 inline __m512 hsum16(const __m512* v) {
@@ -141,7 +147,10 @@ inline void tile(const uint16_t* const* w, const float* const* x, int64_t K, flo
     const int64_t K16 = K - K % 16;
     for (int64_t k = 0; k < K16; k += 16) {
         __m512 wv[4];
-        for (int n = 0; n < 4; ++n) wv[n] = widen16(w[n] + k);
+        for (int n = 0; n < 4; ++n) {
+            _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + kPrefetchBytes, _MM_HINT_T0);
+            wv[n] = widen16(w[n] + k);
+        }
         for (int m = 0; m < 4; ++m) {
             __m512 xv = _mm512_loadu_ps(x[m] + k);
             for (int n = 0; n < 4; ++n) acc[n * 4 + m] = _mm512_fmadd_ps(wv[n], xv, acc[n * 4 + m]);

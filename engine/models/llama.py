@@ -23,6 +23,14 @@ from engine.models.rope import rope_tables, rotate_half
 # on the project's 2-core box (`python benchmarks/cpu_kernels.py`).
 GEMV_MAX_ROWS = 3  # up to here: bandwidth-bound GEMV, one pass over the weight
 TILED_MAX_ROWS = 64  # up to here: the 4x4-tiled kernel; beyond it: oneDNN fp32 on widened copies
+# Steps of up to this many tokens use the fused elementwise ops (engine.kernels.fused): they
+# save per-op overhead, which matters for decode; the scalar loops lose to torch's vectorised
+# ops on prefill-sized inputs.
+FUSED_MAX_ROWS = 64
+
+
+def _fused(ops, rows: int):
+    return ops if ops is not None and rows <= FUSED_MAX_ROWS else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -81,12 +89,26 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same math as transformers' LlamaRMSNorm: normalize in fp32 (torch's fused kernel:
         # x * rsqrt(mean(x^2) + eps), one op instead of five), scale in x's dtype.
         dtype = x.dtype
         xf = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * xf.to(dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): HF's residual add (in x's dtype) fused with the
+        next norm; with residual None, (norm(x), x)."""
+        fused = _fused(self.fused, x.shape[0])
+        if fused is not None:
+            out, res = fused.add_rms_norm(x, residual, self.weight, self.eps)
+            return out, res
+        r = x if residual is None else x + residual
+        return self.forward(r), r
 
 
 class Attention(nn.Module):
@@ -105,12 +127,24 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
+    fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
+
     def forward(self, x, cos, sin, cache: KVCache, backend) -> torch.Tensor:
-        """cos/sin: [tokens, 1, head_dim] in x's dtype."""
+        """cos/sin: [tokens, 1, head_dim] in x's dtype, or with the fused ops the fp32 tables'
+        rows [tokens, head_dim] (the kernel rounds them to x's dtype itself)."""
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh :]
-        if self.qk_norm:
+        fused = _fused(self.fused, t)
+        if fused is not None:
+            if self.qk_norm:
+                q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
+                fused.rope_(q, cos, sin, h)
+                fused.rope_(k, cos, sin, kvh)
+            else:  # in place on the fresh projection output: q and k heads are adjacent
+                fused.rope_(qkv, cos, sin, h + kvh)
+                q, k = qkv[:, :h], qkv[:, h : h + kvh]
+        elif self.qk_norm:
             q = _rotate(self.q_norm(qkv[:, :h]), cos, sin)
             k = _rotate(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
         else:
@@ -133,8 +167,14 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = _fused(self.fused, x.shape[0])
+        if fused is not None:
+            return self.down_proj(fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -146,9 +186,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache, backend):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, cache, backend):
+        """x: the previous layer's MLP output (or the embeddings, with residual None); returns
+        this layer's (MLP output, residual stream before it). Same adds as HF's layer, each
+        fused with the norm that follows it."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, cache, backend)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -185,11 +230,23 @@ class CausalLM(nn.Module):
         cos, sin = cos.to(self.lm_head.weight.device), sin.to(self.lm_head.weight.device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        on_cpu = self.lm_head.weight.device.type == "cpu"
         self.use_cpu_bf16_kernels(
-            prev == torch.bfloat16
-            and self.lm_head.weight.device.type == "cpu"
-            and not cpu_has_native_bf16_gemm()
+            prev == torch.bfloat16 and on_cpu and not cpu_has_native_bf16_gemm()
         )
+        self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
+
+    def use_fused_cpu_ops(self, enabled: bool) -> None:
+        """Norms, RoPE and SiLU-and-multiply through engine.kernels' fused ops (CPU only: one
+        call instead of several small aten ops each). Off, or without the kernels: torch."""
+        from engine import kernels
+
+        ops = kernels.ops() if enabled else None
+        if ops is not None and ops.add_rms_norm is None:
+            ops = None
+        for m in self.modules():
+            if isinstance(m, RMSNorm | Attention | MLP):
+                m.fused = ops
 
     def use_cpu_bf16_kernels(self, enabled: bool) -> None:
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
@@ -204,12 +261,15 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        # HF casts the fp32 tables to the activation dtype before use; so do we.
-        cos = self.rope_cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.rope_sin[positions].to(x.dtype).unsqueeze(1)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if _fused(self.model.norm.fused, input_ids.shape[0]) is None:
+            # HF casts the fp32 tables to the activation dtype before use; so do we (the
+            # fused RoPE does that cast itself).
+            cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, cache, backend)
+        return self.model.norm.add_forward(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

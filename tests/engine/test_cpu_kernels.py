@@ -133,3 +133,50 @@ def test_kernels_can_be_turned_off():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "off"
+
+
+needs_fused = pytest.mark.skipif(
+    OPS is None or OPS.add_rms_norm is None, reason="fused CPU ops could not be built here"
+)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 512), (33, 96)])
+def test_fused_add_rms_norm_matches_hf_math(dtype, rows, hidden):
+    from engine.kernels import fused
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, hidden, generator=g, dtype=torch.float32).to(dtype)
+    res = torch.randn(rows, hidden, generator=g, dtype=torch.float32).to(dtype)
+    w = torch.randn(hidden, generator=g, dtype=torch.float32).to(dtype)
+    for r in (res, None):
+        out, new_res = OPS.add_rms_norm(x, r, w, 1e-5)
+        ref_out, ref_res = fused.reference_add_rms_norm(x, r, w, 1e-5)
+        assert torch.equal(new_res, ref_res)  # the residual add rounds exactly like HF's
+        # fp32: a few ulps (summation order); bf16: at most one ulp of the final rounding.
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+@needs_fused
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rope_and_silu_mul_match_torch(dtype):
+    from engine.kernels import fused
+
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(5, 12, 64, generator=g, dtype=torch.float32).to(dtype)
+    cos = torch.randn(5, 64, generator=g, dtype=torch.float32)
+    sin = torch.randn(5, 64, generator=g, dtype=torch.float32)
+    ref = fused.reference_rope(qkv, cos, sin, 8)
+    got = qkv.clone()
+    OPS.rope_(got, cos, sin, 8)
+    # Same roundings as HF's apply_rotary_pos_emb: bit-exact; untouched heads stay as they were.
+    assert torch.equal(got, ref)
+    gu = torch.randn(9, 2 * 96, generator=g, dtype=torch.float32).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(
+        OPS.silu_mul(gu).float(), fused.reference_silu_mul(gu).float(), rtol=tol, atol=tol
+    )
+    with pytest.raises(RuntimeError):
+        OPS.silu_mul(gu.to(torch.float16))

@@ -1,0 +1,228 @@
+"""Fused elementwise ops for the CPU decoder layer: fewer, bigger calls per step.
+
+A decode step of a small model is dominated by per-op overhead once the GEMMs stream at the
+memory bound: each layer made ~20 small aten calls (casts, the RMSNorm's pieces, RoPE's
+slices/negation/concatenation, SiLU and the gate product), each costing microseconds of
+dispatch. These three ops replace them with one call each and keep Hugging Face's rounding
+points exactly (every intermediate that HF rounds to the activation dtype is rounded here
+too; fp32 contraction into FMAs is disabled for this file) so greedy parity is preserved:
+
+- `add_rms_norm(x, residual, weight, eps) -> (out, new_residual)`: new_residual = x +
+  residual (rounded to the dtype, as HF's residual add), out = weight * dtype(fp32(r) *
+  rsqrt(mean(fp32(r)^2) + eps)). With `residual` None it only normalizes (residual = x).
+- `rope_(qkv, cos, sin, rot_heads)`: in place on the first `rot_heads` heads of [tokens,
+  heads, head_dim]: x * cos + rotate_half(x) * sin with cos/sin ([tokens, head_dim], fp32
+  tables) first rounded to the dtype like HF's `cos.to(x.dtype)`.
+- `silu_mul(gate_up) -> out`: silu(gate) * up over the two halves of the last dim.
+
+Types: float32 and bfloat16 (anything else raises; the model keeps its torch path then).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SOURCE = r"""
+namespace fused {
+
+template <typename T> inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
+template <> inline float rnd<float>(float v) { return v; }
+
+template <typename T>
+void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows,
+                       int64_t H, int64_t x_s, int64_t r_s, float eps) {
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<float> s(H);
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* xr = x + r * x_s;
+            double ss = 0.0;  // a double accumulator: closer to the exact mean than any order
+            for (int64_t i = 0; i < H; ++i) {
+                float v = static_cast<float>(xr[i]);
+                if (res) {
+                    v = rnd<T>(v + static_cast<float>(res[r * r_s + i]));
+                    new_res[r * H + i] = static_cast<T>(v);
+                }
+                s[i] = v;
+                ss += static_cast<double>(v) * v;
+            }
+            const float var = static_cast<float>(ss / H);
+            const float inv = 1.f / std::sqrt(var + eps);
+            for (int64_t i = 0; i < H; ++i)
+                out[r * H + i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(s[i] * inv));
+        }
+    });
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                        torch::Tensor weight, double eps) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x: [rows, hidden], rows contiguous");
+    TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                weight.scalar_type() == x.scalar_type(), "weight");
+    const int64_t rows = x.size(0), H = x.size(1);
+    torch::Tensor out = torch::empty({rows, H}, x.options());
+    torch::Tensor new_res;
+    if (residual.has_value()) {
+        TORCH_CHECK(residual->sizes() == x.sizes() && residual->stride(1) == 1 &&
+                    residual->scalar_type() == x.scalar_type(), "residual");
+        new_res = torch::empty({rows, H}, x.options());
+    }
+    AT_DISPATCH_SWITCH(x.scalar_type(), "add_rms_norm",
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+            add_rms_norm_impl<float>(
+                x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+                weight.data_ptr<float>(), out.data_ptr<float>(),
+                residual ? new_res.data_ptr<float>() : nullptr, rows, H, x.stride(0),
+                residual ? residual->stride(0) : 0, static_cast<float>(eps));
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+            using B = at::BFloat16;
+            add_rms_norm_impl<B>(
+                x.data_ptr<B>(), residual ? residual->data_ptr<B>() : nullptr,
+                weight.data_ptr<B>(), out.data_ptr<B>(),
+                residual ? new_res.data_ptr<B>() : nullptr, rows, H, x.stride(0),
+                residual ? residual->stride(0) : 0, static_cast<float>(eps));
+        }));
+    if (!residual.has_value()) return {out, x};
+    return {out, new_res};
+}
+
+template <typename T>
+void rope_impl(T* x, const float* cos, const float* sin, int64_t tokens, int64_t heads,
+               int64_t D, int64_t x_s0, int64_t x_s1, int64_t c_s) {
+    const int64_t half = D / 2;
+    at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+        std::vector<float> c(D), s(D);
+        for (int64_t t = t0; t < t1; ++t) {
+            for (int64_t i = 0; i < D; ++i) {
+                c[i] = rnd<T>(cos[t * c_s + i]);
+                s[i] = rnd<T>(sin[t * c_s + i]);
+            }
+            for (int64_t h = 0; h < heads; ++h) {
+                T* p = x + t * x_s0 + h * x_s1;
+                for (int64_t i = 0; i < half; ++i) {
+                    const float x1 = static_cast<float>(p[i]);
+                    const float x2 = static_cast<float>(p[i + half]);
+                    // HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-x2, x1);
+                    // each product and the sum rounded to the dtype.
+                    const float a = rnd<T>(rnd<T>(x1 * c[i]) + rnd<T>(-x2 * s[i]));
+                    const float b = rnd<T>(rnd<T>(x2 * c[i + half]) + rnd<T>(x1 * s[i + half]));
+                    p[i] = static_cast<T>(a);
+                    p[i + half] = static_cast<T>(b);
+                }
+            }
+        }
+    });
+}
+
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads) {
+    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [t, heads, D]");
+    TORCH_CHECK(rot_heads >= 0 && rot_heads <= x.size(1), "rot_heads");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.strides() == sin.strides() &&
+                cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.stride(1) == 1,
+                "cos/sin: [t, D] fp32");
+    AT_DISPATCH_SWITCH(x.scalar_type(), "rope_",
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+            rope_impl<float>(x.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                             x.size(0), rot_heads, x.size(2), x.stride(0), x.stride(1),
+                             cos.stride(0));
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+            using B = at::BFloat16;
+            rope_impl<B>(x.data_ptr<B>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         x.size(0), rot_heads, x.size(2), x.stride(0), x.stride(1),
+                         cos.stride(0));
+        }));
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t I, int64_t g_s) {
+    at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+            const T* g = gu + r * g_s;
+            const T* u = g + I;
+            T* o = out + r * I;
+            for (int64_t i = 0; i < I; ++i) {
+                const float gv = static_cast<float>(g[i]);
+                const float act = rnd<T>(gv / (1.f + std::exp(-gv)));
+                o[i] = static_cast<T>(act * static_cast<float>(u[i]));
+            }
+        }
+    });
+}
+
+torch::Tensor silu_mul(torch::Tensor gu) {
+    TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, "gate_up: [t, 2I]");
+    const int64_t rows = gu.size(0), I = gu.size(1) / 2;
+    torch::Tensor out = torch::empty({rows, I}, gu.options());
+    AT_DISPATCH_SWITCH(gu.scalar_type(), "silu_mul",
+        AT_DISPATCH_CASE(at::kFloat, [&] {
+            silu_mul_impl<float>(gu.data_ptr<float>(), out.data_ptr<float>(), rows, I,
+                                 gu.stride(0));
+        })
+        AT_DISPATCH_CASE(at::kBFloat16, [&] {
+            using B = at::BFloat16;
+            silu_mul_impl<B>(gu.data_ptr<B>(), out.data_ptr<B>(), rows, I, gu.stride(0));
+        }));
+    return out;
+}
+
+}  // namespace fused
+"""
+
+BINDINGS = r"""
+    m.def("add_rms_norm", &fused::add_rms_norm, "residual add + RMSNorm (HF rounding)");
+    m.def("rope_", &fused::rope_, "in-place rotary embedding on the leading heads");
+    m.def("silu_mul", &fused::silu_mul, "silu(gate) * up");
+"""
+
+
+def reference_add_rms_norm(x, residual, weight, eps):
+    """Hugging Face's ops: residual add in the dtype, then LlamaRMSNorm."""
+    r = x if residual is None else x + residual
+    v = r.float()
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * v.to(r.dtype), r
+
+
+def reference_rope(x, cos, sin, rot_heads):
+    from engine.models.rope import rotate_half
+
+    out = x.clone()
+    c = cos.to(x.dtype).unsqueeze(1)
+    s = sin.to(x.dtype).unsqueeze(1)
+    y = x[:, :rot_heads]
+    out[:, :rot_heads] = y * c + rotate_half(y) * s
+    return out
+
+
+def reference_silu_mul(gu):
+    g, u = gu.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u
+
+
+def check(ops) -> bool:
+    """Each op within rounding of its reference, fp32 and bf16, on ragged shapes."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 1e-2,
+                                                                         "atol": 1e-2}
+        x = torch.randn(5, 48, generator=g, dtype=torch.float32).to(dt)
+        res = torch.randn(5, 48, generator=g, dtype=torch.float32).to(dt)
+        w = torch.randn(48, generator=g, dtype=torch.float32).to(dt)
+        out, new_res = ops.add_rms_norm(x, res, w, 1e-6)
+        ref_out, ref_res = reference_add_rms_norm(x, res, w, 1e-6)
+        if not (torch.allclose(out.float(), ref_out.float(), **tol)
+                and torch.equal(new_res, ref_res)):
+            return False
+        qkv = torch.randn(3, 5, 8, generator=g, dtype=torch.float32).to(dt)
+        cos = torch.randn(3, 8, generator=g, dtype=torch.float32)
+        sin = torch.randn(3, 8, generator=g, dtype=torch.float32)
+        ref = reference_rope(qkv, cos, sin, 3)
+        ops.rope_(qkv, cos, sin, 3)
+        if not torch.allclose(qkv.float(), ref.float(), **tol):
+            return False
+        gu = torch.randn(4, 2 * 40, generator=g, dtype=torch.float32).to(dt)
+        if not torch.allclose(ops.silu_mul(gu).float(), reference_silu_mul(gu).float(), **tol):
+            return False
+    return True
