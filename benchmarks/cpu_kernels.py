@@ -1,9 +1,11 @@
 """CPU kernels against the torch paths they replace, measured in the same run.
 
-- bf16 GEMM (`engine.kernels.bf16_linear`) on the `small` model's weight shapes, at the row
+- bf16 GEMM (`engine.kernels.linear`) on the `small` model's weight shapes, at the row
   counts a step meets, against torch's own bf16 GEMM (oneDNN; emulated on CPUs without
   AVX512-BF16/AMX) and against oneDNN fp32 on widened copies (what the engine uses beyond
   `TILED_MAX_ROWS`). The crossover is where `engine.models.llama.TILED_MAX_ROWS` comes from.
+- the same kernels on int8 weights with per-channel scales (weight-only quantization), against
+  the bf16 kernel: half the bytes, so up to 2x where the product is bandwidth-bound.
 - paged decode attention (`engine.kernels.paged_decode`) against the torch reference decode
   (`TorchAttentionBackend._decode_cpu_gather`: gather through the block table, two fp32
   batched matmuls) for a batch of sequences over a shuffled block-major cache, with the
@@ -40,6 +42,7 @@ def bench_gemm(ops, rows: list[int], reps: int) -> list[dict]:
     import torch.nn.functional as F
 
     from engine.models.llama import _widen
+    from engine.quantization import quantize_int8
 
     out = []
     # (name, N, K) of the small preset: lm_head, gate_up, down, qkv.
@@ -52,9 +55,17 @@ def bench_gemm(ops, rows: list[int], reps: int) -> list[dict]:
             r["torch_bf16_s"] = best_time(lambda x=x, w=w: F.linear(x, w), reps)
             r["widened_fp32_s"] = best_time(
                 lambda x=x, w=w: F.linear(_widen(x), _widen(w)).to(torch.bfloat16), reps)
-            if m <= 3 and ops.bf16_gemv is not None:
-                r["gemv_s"] = best_time(lambda x=x, w=w: ops.bf16_gemv(x, w, None), reps)
-            r["tiled_s"] = best_time(lambda x=x, w=w: ops.bf16_linear(x, w, None), reps)
+            if m <= 3 and ops.gemv is not None:
+                r["gemv_s"] = best_time(lambda x=x, w=w: ops.gemv(x, w, None, None), reps)
+            r["tiled_s"] = best_time(lambda x=x, w=w: ops.tiled_linear(x, w, None, None), reps)
+            qw, qs = quantize_int8(w)
+            if m <= 3 and ops.gemv is not None:
+                r["int8_gemv_s"] = best_time(lambda x=x, q=qw, s=qs: ops.gemv(x, q, s, None), reps)
+            r["int8_tiled_s"] = best_time(
+                lambda x=x, q=qw, s=qs: ops.tiled_linear(x, q, s, None), reps)
+            int8 = min(r.get("int8_gemv_s", float("inf")), r["int8_tiled_s"])
+            r["int8_speedup_vs_bf16_kernel"] = min(r.get("gemv_s", float("inf")),
+                                                   r["tiled_s"]) / int8
             kernel = min(r.get("gemv_s", float("inf")), r["tiled_s"])
             r["gflops_best_kernel"] = 2 * m * n * k / kernel / 1e9
             r["speedup_vs_torch_bf16"] = r["torch_bf16_s"] / kernel
@@ -63,7 +74,8 @@ def bench_gemm(ops, rows: list[int], reps: int) -> list[dict]:
                 f"({r['gflops_best_kernel']:5.1f} GFLOP/s)  torch bf16 "
                 f"{r['torch_bf16_s'] * 1e3:7.3f} ms ({r['speedup_vs_torch_bf16']:4.1f}x)  "
                 f"widened fp32 {r['widened_fp32_s'] * 1e3:7.3f} ms "
-                f"({r['speedup_vs_widened_fp32']:4.2f}x)")
+                f"({r['speedup_vs_widened_fp32']:4.2f}x)  int8 {int8 * 1e3:7.3f} ms "
+                f"({r['int8_speedup_vs_bf16_kernel']:4.2f}x the bf16 kernel)")
             out.append(r)
     return out
 
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bandwidth {bw / 1e9:.1f} GB/s")
     result = {"benchmark": "cpu_kernels", "command": " ".join(sys.argv), "machine": info,
               "read_bandwidth_bytes_per_s": bw}
-    if ops.bf16_linear is not None:
+    if ops.tiled_linear is not None:
         log("bf16 GEMM: kernel vs torch bf16 vs widened fp32 (best of reps)")
         rows = [1, 16, 64] if args.quick else [1, 2, 4, 16, 32, 64, 96, 128, 256, 512]
         result["gemm"] = bench_gemm(ops, rows, reps)

@@ -83,11 +83,18 @@ def measure_gemm_peak(n: int, reps: int) -> dict:
 
 
 def weight_bytes_per_step(model, batch: int) -> int:
-    """Bytes of parameters a decode step reads: all but the embedding table, plus its rows."""
+    """Bytes of parameters a decode step reads: all but the embedding table, plus its rows
+    (int8 weights and their scales, which are buffers, included)."""
+    import itertools
+
     emb = model.model.embed_tokens.weight
     total = 0
     seen = set()
-    for _, p in model.named_parameters(remove_duplicate=False):
+    tensors = itertools.chain(
+        model.named_parameters(remove_duplicate=False),
+        ((n, b) for n, b in model.named_buffers() if n.endswith(("qweight", "wscale"))),
+    )
+    for _, p in tensors:
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -106,12 +113,13 @@ def kv_bytes_per_token(engine) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * el
 
 
-def _engine(model_dir: Path, dtype: str, max_tokens_per_step: int):
+def _engine(model_dir: Path, dtype: str, max_tokens_per_step: int, quantization: str):
     from engine.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(
         model=str(model_dir), dtype=dtype, enable_prefix_caching=False,
         max_num_batched_tokens=max_tokens_per_step, kv_cache_memory_gb=0.5,
+        quantization=quantization,
     ))
 
 
@@ -171,7 +179,8 @@ def apply_bound(d: dict, bandwidth: float) -> dict:
 def prefill_flops(engine, tokens: int) -> float:
     mc = engine.model_config
     model = engine.model
-    layer_params = sum(p.numel() for p in model.model.layers.parameters())
+    layer_params = sum(p.numel() for p in model.model.layers.parameters()) + sum(
+        b.numel() for n, b in model.model.layers.named_buffers() if n.endswith("qweight"))
     lm_head = model.lm_head.weight.numel()
     attn = 2 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * tokens
     return 2 * layer_params * tokens + 2 * lm_head + attn
@@ -243,7 +252,7 @@ class BandwidthProbe:
 
 def run_dtype(model_dir, dtype, args, probe: BandwidthProbe, peak) -> dict:
     log(f"[{dtype}] loading engine")
-    engine = _engine(model_dir, dtype, max(args.prefill_tokens, 512))
+    engine = _engine(model_dir, dtype, max(args.prefill_tokens, 512), args.quantization)
     out = {"decode": {}, "prefill": None}
     for b in args.batches:
         log(f"[{dtype}] decode batch {b}, context {args.context}: {args.steps} timed steps")
@@ -280,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=None, help="decode prompt tokens (256)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (64)")
     ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
+                    help="weight-only quantization of the engine (the bound counts its bytes)")
     ap.add_argument("--trials", type=int, default=3,
                     help="decode phases per batch size; the best median counts (default 3)")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="(512)")
@@ -336,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": model_dir.name, "dtype": args.dtype, "batches": args.batches,
             "context": args.context, "steps": args.steps, "prefill_tokens": args.prefill_tokens,
-            "bw_mib": bw_mib, "gemm_n": gemm_n,
+            "bw_mib": bw_mib, "gemm_n": gemm_n, "quantization": args.quantization,
         },
         "read_bandwidth": bw,
         "gemm_peak": peak,

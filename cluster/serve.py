@@ -45,6 +45,9 @@ class ServeSettings:
     on_transfer_failure: str = "recompute"
     log_level: str = "WARNING"
     max_frame_bytes: int = 16 << 20
+    # Weight-only quantization of the workers that decode (decode pool, colocated replicas);
+    # the prefill pool keeps full weights (it is compute-bound, not weight-bandwidth-bound).
+    decode_quantization: str = "none"
     engine: dict = field(default_factory=dict)  # EngineConfig fields except model/role
 
     def __post_init__(self) -> None:
@@ -55,6 +58,9 @@ class ServeSettings:
                 raise ValueError(f"--{name} must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        from engine.quantization import validate
+
+        self.decode_quantization = validate(self.decode_quantization)
 
     def pools(self) -> list[tuple[str, str]]:
         """(worker id, role) for every worker to start."""
@@ -81,6 +87,9 @@ class Deployment:
         return f"http://{host}:{self.router.port}"
 
     # -- start -----------------------------------------------------------------------------
+    def _quantization(self, role: str) -> str:
+        return "none" if role == "prefill" else self.s.decode_quantization
+
     def start(self) -> Deployment:
         import ray
 
@@ -126,7 +135,7 @@ class Deployment:
                 .remote(
                     wid,
                     role,
-                    engine_kwargs,
+                    {**engine_kwargs, "quantization": self._quantization(role)},
                     s.bind_host,
                     max(1, int(cpu_share)),
                     s.lease_seconds,
@@ -143,7 +152,8 @@ class Deployment:
             ray.get(self.controller.register.remote(info, actor))
             print(
                 f"tandem:   {info['worker_id']:<10} {info['role']:<9} "
-                f"requests {info['request_endpoint']}  kv {info['kv_endpoint'] or '-'}",
+                f"requests {info['request_endpoint']}  kv {info['kv_endpoint'] or '-'}  "
+                f"weights {info.get('weights', '?')}",
                 flush=True,
             )
         self._start_router()
@@ -284,6 +294,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-transfer-failure", choices=["recompute", "error"], default="recompute")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-dtype", choices=["auto", "fp8_e4m3"], default="auto")
+    p.add_argument(
+        "--decode-quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="weight-only quantization of the decode pool (and colocated replicas)",
+    )
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
@@ -341,6 +357,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         on_transfer_failure=args.on_transfer_failure,
         log_level=args.log_level,
         max_frame_bytes=int(args.max_frame_mb * 2**20),
+        decode_quantization=args.decode_quantization,
         engine=engine,
     )
 

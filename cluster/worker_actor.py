@@ -38,6 +38,8 @@ class WorkerActor:
         engine_role = {"prefill": "prefill", "decode": "decode"}.get(role, "colocated")
         engine = LLMEngine(EngineConfig(**engine_kwargs, role=engine_role))
         self.worker_id, self.role = worker_id, role
+        quant = engine.config.quantization or "none"
+        self.weights = quant if quant != "none" else engine.config.dtype
         if role == "prefill":
             from kv_transfer.agent import KVTransferAgent
             from prefill_worker.server import PrefillServer
@@ -65,6 +67,7 @@ class WorkerActor:
             "role": self.role,
             "request_endpoint": self.server.endpoint,
             "kv_endpoint": agent.endpoint if agent is not None else "",
+            "weights": self.weights,  # the dtype, or the quantization when there is one
         }
 
     def load(self) -> dict:

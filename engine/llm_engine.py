@@ -46,6 +46,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"
     kv_dtype: str = "auto"
+    quantization: str | None = None  # None/"none" or "int8" (weight-only; engine.quantization)
     seed: int = 0
     device: str | None = None
     role: str = "colocated"
@@ -64,6 +65,9 @@ class EngineConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         parse_dtype(self.dtype)
+        from engine.quantization import validate
+
+        validate(self.quantization)
 
 
 class LLMEngine:
@@ -78,6 +82,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         torch.manual_seed(config.seed)
         self.model = build_model(mc, self.dtype, self.device, config.load_format, config.seed)
+        self.model.quantize(config.quantization)
         self.kv_spec = KVCacheSpec(
             model=mc.architecture,
             num_layers=mc.num_layers,

@@ -1,6 +1,7 @@
 """CPU kernels in C++, compiled on first use: what the CPU reference path cannot do fast in torch.
 
-- `bf16_linear`: bf16-weight GEMV/GEMM for CPUs without bf16 instructions (AVX-512 only).
+- `linear`: GEMV/GEMM for bf16 weights (CPUs without bf16 instructions) and int8 weights with
+  per-channel scales (weight-only quantization); AVX-512 only.
 - `paged_decode`: decode attention reading the paged KV cache in place (any x86/ARM CPU;
   AVX-512 intrinsics where available).
 - `fused`: residual add + RMSNorm, in-place RoPE, SiLU-and-multiply (fp32/bf16), keeping Hugging
@@ -22,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernels import bf16_linear, fused, paged_decode
+from engine.kernels import fused, linear, paged_decode
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,10 @@ _HEADER = r"""
 
 @dataclass(frozen=True)
 class CpuOps:
-    bf16_gemv: Any = None  # (x [M<=3, K] bf16, w [N, K] bf16, bias | None) -> [M, N] bf16
-    bf16_linear: Any = None  # (x [M, K] bf16|fp32, w [N, K] bf16, bias | None) -> [M, N] bf16
+    # (x [M, K] fp32|bf16, w [N, K] bf16|int8, scale [N] | None, bias [N] | None) -> [M, N]
+    # in x's dtype; gemv takes M <= 3. See engine.kernels.linear.
+    gemv: Any = None
+    tiled_linear: Any = None
     paged_decode: Any = None  # see engine.kernels.paged_decode
     add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
     rope_: Any = None
@@ -54,9 +57,9 @@ def enabled() -> bool:
 
 def source() -> str:
     return "\n".join([
-        _HEADER, bf16_linear.SOURCE, paged_decode.SOURCE, fused.SOURCE,
+        _HEADER, linear.SOURCE, paged_decode.SOURCE, fused.SOURCE,
         "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
-        bf16_linear.BINDINGS, paged_decode.BINDINGS, fused.BINDINGS, "}",
+        linear.BINDINGS, paged_decode.BINDINGS, fused.BINDINGS, "}",
     ])
 
 
@@ -84,24 +87,24 @@ def ops() -> CpuOps | None:
         log.warning("tandem CPU kernels unavailable (%s); using torch everywhere", exc)
         return None
     found = CpuOps(
-        bf16_gemv=getattr(mod, "bf16_gemv", None),
-        bf16_linear=getattr(mod, "bf16_linear", None),
+        gemv=getattr(mod, "gemv", None),
+        tiled_linear=getattr(mod, "tiled_linear", None),
         paged_decode=getattr(mod, "paged_decode", None),
         add_rms_norm=getattr(mod, "add_rms_norm", None),
         rope_=getattr(mod, "rope_", None),
         silu_mul=getattr(mod, "silu_mul", None),
     )
-    gemm_ok = found.bf16_linear is not None and _passes(bf16_linear.check, found)
+    gemm_ok = found.tiled_linear is not None and _passes(linear.check, found)
     attn_ok = found.paged_decode is not None and _passes(paged_decode.check, found)
     fused_ok = found.add_rms_norm is not None and _passes(fused.check, found)
-    for name, ok, present in (("bf16 linear", gemm_ok, found.bf16_linear),
+    for name, ok, present in (("narrow-weight linear", gemm_ok, found.tiled_linear),
                               ("paged decode", attn_ok, found.paged_decode),
                               ("fused elementwise", fused_ok, found.add_rms_norm)):
         if present is not None and not ok:
             log.warning("tandem CPU kernel %r disagrees with its reference; not using it", name)
     return CpuOps(
-        bf16_gemv=found.bf16_gemv if gemm_ok else None,
-        bf16_linear=found.bf16_linear if gemm_ok else None,
+        gemv=found.gemv if gemm_ok else None,
+        tiled_linear=found.tiled_linear if gemm_ok else None,
         paged_decode=found.paged_decode if attn_ok else None,
         add_rms_norm=found.add_rms_norm if fused_ok else None,
         rope_=found.rope_ if fused_ok else None,

@@ -57,30 +57,70 @@ class Linear(nn.Linear):
 
     Without AVX512-BF16/AMX, torch's bf16 GEMM (oneDNN's emulation) runs several times slower
     than fp32. When enabled (`CausalLM.use_cpu_bf16_kernels`), by the number of rows:
-    - up to GEMV_MAX_ROWS: `bf16_gemv` (engine.kernels) streams the bf16 weight once;
-    - up to TILED_MAX_ROWS: `bf16_linear`, the 4x4-tiled kernel (decode batches, small chunks);
+    - up to GEMV_MAX_ROWS: `gemv` (engine.kernels.linear) streams the bf16 weight once;
+    - up to TILED_MAX_ROWS: `tiled_linear`, the 4x4-tiled kernel (decode batches, small chunks);
     - beyond: x and the weight are widened to fp32 and multiplied by oneDNN's fp32 GEMM, which
       is faster than the tiled kernel once the widening is amortised over hundreds of rows.
     All compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
     fp32), up to summation order, and round the result to bf16. A missing kernel falls through
     to the next path. `cpu_ops` None disables the routing (GPU, fp32, CPUs with native bf16).
+
+    After `quantize_int8` (engine.quantization) the weight is int8 with per-channel scales and
+    `_forward_int8` runs instead: the same kernels with int8 weights on CPU, dequantized fp32
+    GEMMs for prefill-sized inputs, torch's `F.linear(x, q.to(dtype)) * scale` elsewhere.
     """
 
     cpu_ops = None  # engine.kernels.CpuOps when routing is on
     widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
+    # After quantize_int8: buffers qweight (int8 [N, K]) and wscale (fp32 [N]); weight is None.
+    quantized = False
+
+    def quantize_int8(self) -> None:
+        """Replace the weight by int8 + per-channel scales (engine.quantization)."""
+        from engine.quantization import quantize_int8
+
+        q, scale = quantize_int8(self.weight.data)
+        del self.weight
+        self.register_buffer("qweight", q)
+        self.register_buffer("wscale", scale)
+        self.weight = None  # nn.Linear's attribute; the int8 buffers replace it
+        self.quantized = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return self._forward_int8(x)
         ops = self.cpu_ops
         if ops is None and not self.widen_fallback:
             return F.linear(x, self.weight, self.bias)
         m = x.shape[0] if x.dim() == 2 else -1
         if ops is not None and 0 < m <= TILED_MAX_ROWS:
-            if m <= GEMV_MAX_ROWS and ops.bf16_gemv is not None:
-                return ops.bf16_gemv(x, self.weight, self.bias)
-            if ops.bf16_linear is not None:
-                return ops.bf16_linear(x, self.weight, self.bias)
+            if m <= GEMV_MAX_ROWS and ops.gemv is not None:
+                return ops.gemv(x, self.weight, None, self.bias)
+            if ops.tiled_linear is not None:
+                return ops.tiled_linear(x, self.weight, None, self.bias)
         bias = None if self.bias is None else _widen(self.bias)
         return F.linear(_widen(x), _widen(self.weight), bias).to(x.dtype)
+
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.int8_ops
+        m = x.shape[0] if x.dim() == 2 else -1
+        if ops is not None and 0 < m <= TILED_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
+            op = ops.gemv if m <= GEMV_MAX_ROWS else ops.tiled_linear
+            return op(x, self.qweight, self.wscale, self.bias)
+        if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
+            # Prefill-sized on CPU: dequantize once per call and use oneDNN's fp32 GEMM.
+            w = torch.empty(self.qweight.shape, dtype=torch.float32).copy_(self.qweight)
+            w.mul_(self.wscale[:, None])
+            bias = None if self.bias is None else _widen(self.bias)
+            return F.linear(_widen(x), w, bias).to(x.dtype)
+        # GPU or other dtypes: int8 values are exact in any float dtype; scale the product.
+        y = F.linear(x, self.qweight.to(x.dtype)) * self.wscale.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    int8_ops = None  # engine.kernels.CpuOps for int8 weights (CPU with AVX-512)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -235,6 +275,21 @@ class CausalLM(nn.Module):
             prev == torch.bfloat16 and on_cpu and not cpu_has_native_bf16_gemm()
         )
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
+
+    def quantize(self, method: str | None) -> int:
+        """Weight-only quantization of the decoder layers (engine.quantization); on CPU the
+        int8 layers use the compiled kernels when they are available. Returns layers done."""
+        from engine import kernels
+        from engine.quantization import quantize_model
+
+        n = quantize_model(self, method)
+        if n and self.lm_head.weight.device.type == "cpu":
+            ops = kernels.ops()
+            if ops is not None and ops.tiled_linear is not None:
+                for m in self.modules():
+                    if isinstance(m, Linear) and m.quantized:
+                        m.int8_ops = ops
+        return n
 
     def use_fused_cpu_ops(self, enabled: bool) -> None:
         """Norms, RoPE and SiLU-and-multiply through engine.kernels' fused ops (CPU only: one

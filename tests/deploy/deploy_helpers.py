@@ -248,6 +248,7 @@ SERVE_FLAGS: dict[str, dict[str, Any]] = {
     "--decode-resource": {},
     "--dtype": {},
     "--kv-dtype": {"choices": ["auto", "fp8_e4m3"]},
+    "--decode-quantization": {"choices": ["none", "int8"]},
     "--block-size": {"type": int},
     "--disagg-threshold": {"type": int},
 }

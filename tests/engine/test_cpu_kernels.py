@@ -16,7 +16,7 @@ from engine.kernels import paged_decode
 OPS = kernels.ops()
 needs_ops = pytest.mark.skipif(OPS is None, reason="CPU kernels could not be built here")
 needs_bf16 = pytest.mark.skipif(
-    OPS is None or OPS.bf16_linear is None, reason="bf16 kernels need AVX-512"
+    OPS is None or OPS.tiled_linear is None, reason="the linear kernels need AVX-512"
 )
 
 
@@ -88,10 +88,10 @@ def test_bf16_linear_matches_fp32_reference(m, n, k, bias):
     w = torch.randn(n, k, generator=g, dtype=torch.float32).to(torch.bfloat16)
     b = torch.randn(n, generator=g, dtype=torch.float32).to(torch.bfloat16) if bias else None
     ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
-    for op in (OPS.bf16_linear, OPS.bf16_gemv):
-        if op is OPS.bf16_gemv and m > 3:
+    for op in (OPS.tiled_linear, OPS.gemv):
+        if op is OPS.gemv and m > 3:
             continue
-        got = op(x, w, b)
+        got = op(x, w, None, b)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         # fp32 accumulation then one rounding: within one bf16 ulp of the fp32 result
         # (summation order differs from the reference's, so allow a hair more than 2^-8).
