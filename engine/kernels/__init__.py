@@ -26,6 +26,7 @@ from typing import Any
 from engine.kernels import fused, linear, paged_decode
 
 log = logging.getLogger(__name__)
+_NAME = "tandem_cpu_kernels"
 
 _HEADER = r"""
 #include <torch/extension.h>
@@ -71,9 +72,13 @@ def ops() -> CpuOps | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        log.info("building tandem's CPU kernels (first use on this machine: up to a minute)")
+        # Long work shows progress: a first build takes ~35-60 s on a small box, and workers
+        # log at WARNING by default, so say so at that level (only when nothing is cached).
+        level = logging.WARNING if not _cached() else logging.DEBUG
+        log.log(level, "building tandem's CPU kernels (first use on this machine, up to a "
+                "minute; cached afterwards)")
         mod = load_inline(
-            name="tandem_cpu_kernels",
+            name=_NAME,
             cpp_sources=[source()],
             # -march=native: compiled on the machine that runs it (torch caches per source
             # and flags); omp simd lets the portable loops vectorise their fp32 reductions.
@@ -110,6 +115,18 @@ def ops() -> CpuOps | None:
         rope_=found.rope_ if fused_ok else None,
         silu_mul=found.silu_mul if fused_ok else None,
     )
+
+
+def _cached() -> bool:
+    """Best effort: does torch's extension cache hold a build of these kernels already?"""
+    try:
+        from pathlib import Path
+
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return any(Path(_get_build_directory(_NAME, False)).glob(f"{_NAME}*.so"))
+    except Exception:  # a private helper; if it moves, just log quietly
+        return True
 
 
 def _passes(check, found: CpuOps) -> bool:
