@@ -41,6 +41,7 @@ class TorchAttentionBackend:
         self.sliding_window = sliding_window
         # The compiled paged decode for CPU (None: the gather reference below is used).
         self._kernel = kernels.get("paged_decode") if cpu_kernel else None
+        self._cache_write = kernels.get("cache_write") if cpu_kernel else None
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _DecodePlan | None = None
         self._blocks: torch.Tensor | None = None  # the step's slots split for KVCache.write_at
@@ -49,7 +50,12 @@ class TorchAttentionBackend:
     def forward(self, layer, q, k, v, cache: KVCache) -> torch.Tensor:
         meta = get_forward_context()
         plan = self._decode_plan(meta, cache.spec.block_size, q.device)
-        cache.write_at(layer, self._blocks, self._offsets, k, v)
+        if (self._cache_write is not None and cache.scales is None
+                and k.dtype == cache.data.dtype):
+            kc, vc, _, _ = cache.layer_views(layer)
+            self._cache_write(kc, vc, self._blocks, self._offsets, k, v)
+        else:
+            cache.write_at(layer, self._blocks, self._offsets, k, v)
         if plan is not None and plan.rows is None and not meta.prefill_idx:
             return self._decode(layer, q, cache, plan)  # decode-only step: no scatter
         out = torch.empty_like(q)
@@ -115,6 +121,11 @@ class TorchAttentionBackend:
     def _decode_cpu(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
         if self._kernel is not None:  # reads the blocks in place: no gather, no copies
             k, v, ks, vs = cache.layer_views(layer)
+            if qd.dtype in (torch.float32, torch.bfloat16):  # output in q's dtype
+                return self._kernel(
+                    qd, k, v, ks, vs, plan.tables, plan.lens, self.scale,
+                    self.sliding_window or 0,
+                )
             return self._kernel(
                 qd.float(), k, v, ks, vs, plan.tables, plan.lens, self.scale,
                 self.sliding_window or 0,

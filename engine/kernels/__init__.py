@@ -47,6 +47,7 @@ class CpuOps:
     gemv: Any = None
     tiled_linear: Any = None
     paged_decode: Any = None  # see engine.kernels.paged_decode
+    cache_write: Any = None  # ditto (checked together with paged_decode)
     add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
     rope_: Any = None
     silu_mul: Any = None
@@ -95,6 +96,7 @@ def ops() -> CpuOps | None:
         gemv=getattr(mod, "gemv", None),
         tiled_linear=getattr(mod, "tiled_linear", None),
         paged_decode=getattr(mod, "paged_decode", None),
+        cache_write=getattr(mod, "cache_write", None),
         add_rms_norm=getattr(mod, "add_rms_norm", None),
         rope_=getattr(mod, "rope_", None),
         silu_mul=getattr(mod, "silu_mul", None),
@@ -111,6 +113,7 @@ def ops() -> CpuOps | None:
         gemv=found.gemv if gemm_ok else None,
         tiled_linear=found.tiled_linear if gemm_ok else None,
         paged_decode=found.paged_decode if attn_ok else None,
+        cache_write=found.cache_write if attn_ok else None,
         add_rms_norm=found.add_rms_norm if fused_ok else None,
         rope_=found.rope_ if fused_ok else None,
         silu_mul=found.silu_mul if fused_ok else None,

@@ -184,6 +184,30 @@ void tiled(const W* wp, const float* xp, const float* sp, const float* bp, O* op
 
 // Shared argument handling: x [M, K] fp32|bf16 (rows contiguous), w [N, K] bf16|int8
 // contiguous, scale [N] fp32 (int8 only), bias [N] any float dtype. Returns [M, N] in x's dtype.
+// A float view of a [rows, cols] (or 1-D) float32/bfloat16 tensor: its own data when it is
+// contiguous fp32, else a widened copy in `buf`. Plain loops rather than aten's `to()`: a decode
+// step makes a few hundred of these calls, and each aten op costs microseconds of dispatch.
+inline const float* as_float(const torch::Tensor& t, int64_t rows, int64_t cols,
+                             std::vector<float>& buf) {
+    TORCH_CHECK(t.numel() == rows * cols, "unexpected size");
+    if (t.scalar_type() == at::kFloat && t.is_contiguous()) return t.data_ptr<float>();
+    const int64_t s0 = t.dim() == 2 ? t.stride(0) : 0, s1 = t.stride(t.dim() - 1);
+    buf.resize(rows * cols);
+    if (t.scalar_type() == at::kFloat) {
+        const float* p = t.data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) buf[r * cols + c] = p[r * s0 + c * s1];
+    } else if (t.scalar_type() == at::kBFloat16) {
+        const at::BFloat16* p = t.data_ptr<at::BFloat16>();
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c)
+                buf[r * cols + c] = static_cast<float>(p[r * s0 + c * s1]);
+    } else {
+        TORCH_CHECK(false, "expected float32 or bfloat16, got ", t.scalar_type());
+    }
+    return buf.data();
+}
+
 template <typename F>
 torch::Tensor run(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> scale,
                   c10::optional<torch::Tensor> bias, F&& body) {
@@ -195,22 +219,19 @@ torch::Tensor run(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor>
     TORCH_CHECK(int8 || w.scalar_type() == at::kBFloat16, "weight must be bfloat16 or int8");
     TORCH_CHECK(int8 == scale.has_value(), "a scale goes with (and only with) int8 weights");
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-    // Widen x, the scale and the bias here rather than with aten ops: a decode step makes a
-    // few hundred calls, and each aten op costs microseconds of dispatch.
-    torch::Tensor xf = x.to(at::kFloat).contiguous();  // no copy when already fp32
-    torch::Tensor sf, bf;
+    std::vector<float> xb, sb, bb;
+    const float* xp = as_float(x, M, K, xb);
+    const float* sp = nullptr;
+    const float* bp = nullptr;
     if (scale.has_value()) {
-        sf = scale->to(at::kFloat).contiguous();
-        TORCH_CHECK(sf.numel() == N, "scale must have one entry per output row");
+        TORCH_CHECK(scale->numel() == N, "scale must have one entry per output row");
+        sp = as_float(*scale, 1, N, sb);
     }
     if (bias.has_value()) {
-        bf = bias->to(at::kFloat).contiguous();
-        TORCH_CHECK(bf.numel() == N, "bias must have one entry per output row");
+        TORCH_CHECK(bias->numel() == N, "bias must have one entry per output row");
+        bp = as_float(*bias, 1, N, bb);
     }
     torch::Tensor out = torch::empty({M, N}, x.options());
-    const float* xp = xf.data_ptr<float>();
-    const float* sp = scale.has_value() ? sf.data_ptr<float>() : nullptr;
-    const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
     auto with_out = [&](auto* wp) {
         if (x.scalar_type() == at::kFloat)
             body(wp, xp, sp, bp, out.data_ptr<float>(), M, K, N);

@@ -185,12 +185,12 @@ inline void block_avx512(const float* qg, const T* kp, const T* vp, int64_t tok_
 }
 #endif
 
-template <typename T>
-void decode(const float* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32
+template <typename T, typename Q>
+void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 or bf16
             const T* kc, const T* vc, int64_t c_s0, int64_t c_s1, int64_t c_s2,  // [N, bs, kvH, D]
             const float* ks, const float* vs, int64_t s_s0, int64_t s_s1, int64_t s_s2,
             const int64_t* tables, int64_t t_s0, const int64_t* lens,
-            float* out, int64_t b, int64_t H, int64_t kvH, int64_t D, int64_t bs,
+            Q* out, int64_t b, int64_t H, int64_t kvH, int64_t D, int64_t bs,
             float scale, int64_t window) {
     const int64_t G = H / kvH;
     const bool vec = kVector && D % 16 == 0;
@@ -210,8 +210,8 @@ void decode(const float* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp
             const int64_t ctx = lens[i];
             const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
             for (int64_t x = 0; x < hn * G; ++x) {
-                const float* qr = q + i * q_s0 + (h0 * G + x) * q_s1;
-                for (int64_t d = 0; d < D; ++d) qg[x * D + d] = qr[d] * scale;
+                const Q* qr = q + i * q_s0 + (h0 * G + x) * q_s1;
+                for (int64_t d = 0; d < D; ++d) qg[x * D + d] = static_cast<float>(qr[d]) * scale;
                 m[x] = -std::numeric_limits<float>::infinity();
                 l[x] = 0.f;
             }
@@ -241,23 +241,25 @@ void decode(const float* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp
                 }
             }
             for (int64_t x = 0; x < hn * G; ++x) {
-                float* o = out + (i * H + h0 * G + x) * D;
+                Q* o = out + (i * H + h0 * G + x) * D;
                 const float inv = 1.f / l[x];
-                for (int64_t d = 0; d < D; ++d) o[d] = acc[x * D + d] * inv;
+                for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[x * D + d] * inv);
             }
         }
     });
 }
 
-// q [b, H, D] float32 (last dim contiguous); k_cache/v_cache [N, bs, kvH, D] layer views of
-// the paged cache (float32, bfloat16 or float8_e4m3fn; last dim contiguous); k_scale/v_scale
+// q [b, H, D] float32 or bfloat16 (last dim contiguous; the output has q's dtype);
+// k_cache/v_cache [N, bs, kvH, D] layer views of the paged cache (float32, bfloat16 or float8_e4m3fn; last dim contiguous); k_scale/v_scale
 // [N, bs, kvH] float32 for FP8; tables [b, >= blocks] int64; lens [b] int64 (keys per
 // sequence, the new token's included). window > 0 limits each query to its last `window` keys.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            c10::optional<torch::Tensor> k_scale,
                            c10::optional<torch::Tensor> v_scale, torch::Tensor tables,
                            torch::Tensor lens, double scale, int64_t window) {
-    TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q");
+    TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 &&
+                (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+                "q: [b, H, D] float32 or bfloat16, last dim contiguous");
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "k_cache");
     TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
                 "v_cache must match k_cache");
@@ -287,9 +289,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int64_t c0 = k_cache.stride(0), c1 = k_cache.stride(1), c2 = k_cache.stride(2);
     const float sc = static_cast<float>(scale);
     auto run = [&](auto* kp, auto* vp) {
-        decode(q.data_ptr<float>(), q.stride(0), q.stride(1), kp, vp, c0, c1, c2, ksp, vsp,
-               s0, s1, s2, tables.data_ptr<int64_t>(), tables.stride(0), lp,
-               out.data_ptr<float>(), b, H, kvH, D, bs, sc, window);
+        if (q.scalar_type() == at::kFloat)
+            decode(q.data_ptr<float>(), q.stride(0), q.stride(1), kp, vp, c0, c1, c2, ksp, vsp,
+                   s0, s1, s2, tables.data_ptr<int64_t>(), tables.stride(0), lp,
+                   out.data_ptr<float>(), b, H, kvH, D, bs, sc, window);
+        else
+            decode(q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), kp, vp, c0, c1, c2,
+                   ksp, vsp, s0, s1, s2, tables.data_ptr<int64_t>(), tables.stride(0), lp,
+                   out.data_ptr<at::BFloat16>(), b, H, kvH, D, bs, sc, window);
     };
     switch (k_cache.scalar_type()) {
         case at::kFloat:
@@ -309,11 +316,50 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     return out;
 }
 
+// Store the step's new K/V rows: k/v [t, kvH, D] (last dim contiguous) at (blocks[i],
+// offsets[i]) of the layer views k_cache/v_cache [N, bs, kvH, D], byte for byte (the caller
+// passes rows already in the cache dtype; FP8 caches quantize in torch). One call instead of
+// two aten index_put per layer per step.
+void cache_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor blocks,
+                 torch::Tensor offsets, torch::Tensor k, torch::Tensor v) {
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1 &&
+                v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+                "k_cache/v_cache: matching [N, bs, kvH, D] views");
+    TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+                "k/v: [t, kvH, D], last dim contiguous");
+    TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() &&
+                v.scalar_type() == k_cache.scalar_type(), "k/v must have the cache dtype");
+    TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "head shapes");
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong &&
+                blocks.is_contiguous() && offsets.is_contiguous() &&
+                blocks.numel() == k.size(0) && offsets.numel() == k.size(0), "slots");
+    const int64_t t = k.size(0), kvH = k.size(1), N = k_cache.size(0), bs = k_cache.size(1);
+    const int64_t es = k.element_size(), row = k.size(2) * es;
+    const int64_t* bp = blocks.data_ptr<int64_t>();
+    const int64_t* op = offsets.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; ++i)
+        TORCH_CHECK(bp[i] >= 0 && bp[i] < N && op[i] >= 0 && op[i] < bs, "slot out of range");
+    char* kc = static_cast<char*>(k_cache.data_ptr());
+    char* vc = static_cast<char*>(v_cache.data_ptr());
+    const char* kp = static_cast<const char*>(k.data_ptr());
+    const char* vp = static_cast<const char*>(v.data_ptr());
+    const int64_t c0 = k_cache.stride(0) * es, c1 = k_cache.stride(1) * es,
+                  c2 = k_cache.stride(2) * es;
+    for (int64_t i = 0; i < t; ++i) {
+        const int64_t dst = bp[i] * c0 + op[i] * c1;
+        for (int64_t h = 0; h < kvH; ++h) {
+            std::memcpy(kc + dst + h * c2, kp + (i * k.stride(0) + h * k.stride(1)) * es, row);
+            std::memcpy(vc + dst + h * c2, vp + (i * v.stride(0) + h * v.stride(1)) * es, row);
+        }
+    }
+}
+
 }  // namespace paged_decode
 """
 
 BINDINGS = r"""
     m.def("paged_decode", &paged_decode::paged_decode, "paged decode attention, block-major cache");
+    m.def("cache_write", &paged_decode::cache_write, "store new K/V rows at their slots");
 """
 
 
@@ -342,6 +388,27 @@ def reference(q, k_cache, v_cache, k_scale, v_scale, tables, lens, scale, window
     return out
 
 
+def check_cache_write(ops) -> bool:
+    """cache_write stores exactly what KVCache.write_at stores (bf16 and fp32)."""
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    g = torch.Generator().manual_seed(1)
+    for dt in (torch.float32, torch.bfloat16):
+        spec = KVCacheSpec(model="check", num_layers=2, num_kv_heads=2, head_dim=8,
+                           block_size=4, dtype=dt)
+        a, b = KVCache(spec, 5), KVCache(spec, 5)
+        qkv = torch.randn(6, 6, 8, generator=g, dtype=torch.float32).to(dt)
+        k, v = qkv[:, 2:4], qkv[:, 4:]  # strided views, as the model passes them
+        slots = torch.tensor([3, 9, 10, 17, 0, 6])
+        blocks, offsets = slots // 4, slots % 4
+        a.write_at(1, blocks, offsets, k, v)
+        kc, vc, _, _ = b.layer_views(1)
+        ops.cache_write(kc, vc, blocks, offsets, k, v)
+        if not torch.equal(a.data, b.data):
+            return False
+    return True
+
+
 def check(ops) -> bool:
     """The op agrees with `reference` on a small GQA case with ragged lengths, fp32 and bf16."""
     g = torch.Generator().manual_seed(0)
@@ -357,4 +424,4 @@ def check(ops) -> bool:
             ref = reference(q, kc, vc, None, None, tables, lens, 0.3, window)
             if not torch.allclose(got, ref, rtol=1e-4, atol=1e-5):
                 return False
-    return True
+    return check_cache_write(ops)

@@ -75,7 +75,35 @@ def test_paged_decode_strided_queries_and_bad_input():
     with pytest.raises(RuntimeError, match="context length"):
         OPS.paged_decode(q, kc, vc, None, None, tables, torch.tensor([20, 33]), 0.125, 0)
     with pytest.raises(RuntimeError, match="q"):
-        OPS.paged_decode(q.to(torch.bfloat16), kc, vc, None, None, tables, lens, 0.125, 0)
+        OPS.paged_decode(q.to(torch.float16), kc, vc, None, None, tables, lens, 0.125, 0)
+    # bf16 queries: same math in fp32 inside, one rounding of the output to bf16.
+    got16 = OPS.paged_decode(q.to(torch.bfloat16), kc, vc, None, None, tables, lens, 0.125, 0)
+    ref16 = paged_decode.reference(q.to(torch.bfloat16), kc, vc, None, None, tables, lens,
+                                   0.125, 0)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got16.float(), ref16, rtol=2**-7, atol=2**-7)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cache_write_matches_write_at(dtype):
+    from engine.kv_cache import KVCache, KVCacheSpec
+
+    g = torch.Generator().manual_seed(2)
+    spec = KVCacheSpec(model="t", num_layers=3, num_kv_heads=4, head_dim=16, block_size=8,
+                       dtype=dtype)
+    a, b = KVCache(spec, 6), KVCache(spec, 6)
+    qkv = torch.randn(11, 12, 16, generator=g, dtype=torch.float32).to(dtype)
+    k, v = qkv[:, 4:8], qkv[:, 8:]
+    slots = torch.randperm(48, generator=g)[:11]
+    a.write_at(2, slots // 8, slots % 8, k, v)
+    kc, vc, _, _ = b.layer_views(2)
+    OPS.cache_write(kc, vc, slots // 8, slots % 8, k, v)
+    assert torch.equal(a.data, b.data)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        OPS.cache_write(kc, vc, torch.tensor([6]), torch.tensor([0]), k[:1], v[:1])
+    with pytest.raises(RuntimeError, match="cache dtype"):
+        OPS.cache_write(kc, vc, slots[:1] // 8, slots[:1] % 8, k[:1].double(), v[:1].double())
 
 
 @needs_bf16
