@@ -252,7 +252,8 @@ void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 o
 // q [b, H, D] float32 or bfloat16 (last dim contiguous; the output has q's dtype);
 // k_cache/v_cache [N, bs, kvH, D] layer views of the paged cache (float32, bfloat16 or
 // float8_e4m3fn; last dim contiguous); k_scale/v_scale [N, bs, kvH] float32 for FP8;
-// tables [b, >= blocks] int64; lens [b] int64 (keys per sequence, the new token's included). window > 0 limits each query to its last `window` keys.
+// tables [b, >= blocks] int64; lens [b] int64 (keys per sequence, the new token's included).
+// window > 0 limits each query to its last `window` keys.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            c10::optional<torch::Tensor> k_scale,
                            c10::optional<torch::Tensor> v_scale, torch::Tensor tables,
