@@ -85,8 +85,6 @@ def measure_gemm_peak(n: int, reps: int) -> dict:
 def weight_bytes_per_step(model, batch: int) -> int:
     """Bytes of parameters a decode step reads: all but the embedding table, plus its rows
     (int8 weights and their scales, which are buffers, included)."""
-    import itertools
-
     emb = model.model.embed_tokens.weight
     total = 0
     seen = set()

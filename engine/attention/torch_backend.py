@@ -121,14 +121,10 @@ class TorchAttentionBackend:
     def _decode_cpu(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
         if self._kernel is not None:  # reads the blocks in place: no gather, no copies
             k, v, ks, vs = cache.layer_views(layer)
-            if qd.dtype in (torch.float32, torch.bfloat16):  # output in q's dtype
-                return self._kernel(
-                    qd, k, v, ks, vs, plan.tables, plan.lens, self.scale,
-                    self.sliding_window or 0,
-                )
-            return self._kernel(
-                qd.float(), k, v, ks, vs, plan.tables, plan.lens, self.scale,
-                self.sliding_window or 0,
+            if qd.dtype not in (torch.float32, torch.bfloat16):  # the kernel takes these two
+                qd = qd.float()
+            return self._kernel(  # output in q's dtype
+                qd, k, v, ks, vs, plan.tables, plan.lens, self.scale, self.sliding_window or 0
             )
         return self._decode_cpu_gather(layer, qd, cache, plan)
 

@@ -57,6 +57,36 @@ def enabled() -> bool:
     return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
 
 
+def unavailable_reason() -> str | None:
+    """Why `ops()` cannot build on this machine, or None when it should (so a failed build
+    there is a bug, not an environment limit)."""
+    import shutil
+
+    if not enabled():
+        return "TANDEM_CPU_KERNELS=0"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler on PATH"
+    try:
+        from torch.utils.cpp_extension import verify_ninja_availability
+
+        verify_ninja_availability()
+    except Exception:
+        return "ninja is not installed"
+    return None
+
+
+def cpu_has_avx512() -> bool:
+    """The AVX-512 subset the linear kernels are written for (AVX512F/BW/VL)."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return {"avx512f", "avx512bw", "avx512vl"} <= set(line.split(":", 1)[1].split())
+    return False
+
+
 def source() -> str:
     return "\n".join([
         _HEADER, linear.SOURCE, paged_decode.SOURCE, fused.SOURCE,

@@ -14,7 +14,8 @@ from engine.quantization import quantize_int8, validate
 
 OPS = kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    OPS is None or OPS.tiled_linear is None, reason="the linear kernels need AVX-512"
+    kernels.unavailable_reason() is not None or not kernels.cpu_has_avx512(),
+    reason="the int8 kernels need AVX-512 and a C++ toolchain",
 )
 
 
