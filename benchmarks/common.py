@@ -1,9 +1,10 @@
-"""Helpers shared by the benchmark scripts: the cached model checkpoint, the machine
-description, timing, and JSON output.
+"""Helpers shared by the benchmark scripts: where their model checkpoints are cached, the
+machine description, timing, and JSON output.
 
-The checkpoint comes from `engine.make_model` (seeded random weights written as a real Hugging
-Face directory), so tandem and transformers load byte-identical weights. It is made once and
-cached under `benchmarks/.cache/` (a directory that ignores itself in git).
+The checkpoint comes from `engine.make_model.cached_model(arch, preset, cache_dir=CACHE_DIR)`
+(seeded random weights written as a real Hugging Face directory), so tandem and transformers
+load byte-identical weights. It is made once and cached under `benchmarks/.cache/` (ignored by
+the repository's .gitignore).
 """
 
 from __future__ import annotations
@@ -22,22 +23,6 @@ CACHE_DIR = REPO / "benchmarks" / ".cache"
 
 if str(REPO) not in sys.path:  # allow `python benchmarks/x.py` from anywhere
     sys.path.insert(0, str(REPO))
-
-
-def ensure_model(arch: str = "llama", preset: str = "small", seed: int = 0,
-                 cache_dir: Path | None = None) -> Path:
-    """The checkpoint directory for (arch, preset, seed), made on first use."""
-    root = Path(cache_dir) if cache_dir is not None else CACHE_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    ignore = root / ".gitignore"
-    if not ignore.exists():
-        ignore.write_text("*\n")
-    path = root / f"{arch}-{preset}-seed{seed}"
-    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
-        from engine.make_model import make_model
-
-        make_model(path, arch=arch, preset=preset, seed=seed)
-    return path
 
 
 def set_threads(n: int) -> None:

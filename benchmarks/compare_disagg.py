@@ -156,7 +156,7 @@ def mode_settings(mode: str, model: str, args: argparse.Namespace):
 
 
 def bench_config(url: str, sc: Scenario, rate: float, vocab: int, seed: int):
-    from cluster.bench_serve import BenchConfig
+    from bench.config import BenchConfig
 
     return BenchConfig(
         base_url=url,
@@ -181,7 +181,8 @@ def bench_config(url: str, sc: Scenario, rate: float, vocab: int, seed: int):
 
 def warm_up(url: str, vocab: int, long_len: int) -> None:
     """Long and short prompts, two at once so every replica compiles/allocates before timing."""
-    from cluster.bench_serve import BenchConfig, run_benchmark
+    from bench.client import run_benchmark
+    from bench.config import BenchConfig
 
     for n in (long_len, 32):
         cfg = BenchConfig(
@@ -209,7 +210,7 @@ def _fmt_rate(rate: float) -> str:
 def run_mode(
     mode: str, model: str, scenarios: list[Scenario], args, out: Path, vocab: int
 ) -> list[Point]:
-    from cluster.bench_serve import run_benchmark
+    from bench.client import run_benchmark
     from cluster.serve import Deployment
 
     settings = mode_settings(mode, model, args)
@@ -490,10 +491,10 @@ def _reported(scenarios: list[Scenario], points: list[Point]) -> list[Scenario]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from cluster.demo import demo_model
     from engine.config import ModelConfig
+    from engine.make_model import cached_model
 
-    model = str(Path(args.model) if args.model else demo_model())
+    model = str(Path(args.model) if args.model else cached_model())
     mc = ModelConfig.from_pretrained(model)
     scenarios = chosen_scenarios(args)
     for sc in scenarios:

@@ -26,13 +26,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    ensure_model,
+    CACHE_DIR,
     load_avg,
     log,
     machine_info,
     set_threads,
     write_json,
 )
+from engine.make_model import cached_model  # noqa: E402
 
 GOAL_VS_BATCHED = 2.0
 GOAL_VS_SINGLE = 8.0
@@ -188,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.manual_seed(args.seed)
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_model(args.arch, preset)
+    model_dir = (
+        Path(args.model_dir)
+        if args.model_dir
+        else cached_model(args.arch, preset, cache_dir=CACHE_DIR)
+    )
     from engine.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    ensure_model,
+    CACHE_DIR,
     load_avg,
     log,
     machine_info,
@@ -45,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     time_calls,
     write_json,
 )
+from engine.make_model import cached_model  # noqa: E402
 
 GOAL_DECODE_B1 = 0.60
 _TRIAL = itertools.count()
@@ -308,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     also = args.also if args.also is not None else ([] if q else ["float32"])
 
     set_threads(args.threads)
-    model_dir = Path(args.model_dir) if args.model_dir else ensure_model(args.arch, preset)
+    model_dir = (
+        Path(args.model_dir)
+        if args.model_dir
+        else cached_model(args.arch, preset, cache_dir=CACHE_DIR)
+    )
     info = machine_info(args.threads)
     log(f"roofline: model {model_dir.name}, {args.threads} threads, load "
         f"{info['load_avg_1_5_15'][0]:.2f}")

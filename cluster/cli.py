@@ -13,9 +13,9 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("make-model",), "engine.make_model", "write a seeded random-weight HF checkpoint"),
     (("serve",), "cluster.serve", "start the router and the worker pools on Ray"),
     (("demo",), "cluster.demo", "run the local end-to-end demo"),
-    (("bench", "serve"), "cluster.bench_serve", "benchmark an OpenAI-compatible server"),
-    (("bench", "kv-transfer"), "kv_transfer.bench", "NIXL vs memcpy bandwidth"),
-    (("profile",), "cluster.profile", "prefill/decode latency profile of one worker"),
+    (("bench", "serve"), "bench.cli", "benchmark an OpenAI-compatible server"),
+    (("bench", "kv-transfer"), "bench.kv_transfer", "NIXL vs memcpy bandwidth"),
+    (("profile",), "bench.profile", "prefill/decode latency profile of one worker"),
 ]
 
 

@@ -1,6 +1,7 @@
 """`tandem demo` (`make demo`): the whole system on this machine.
 
-Makes the `small` seeded-random Llama once (cached), starts a local Ray cluster with one
+Makes the `small` seeded-random Llama once (`engine.make_model.cached_model`, in the user's
+cache), starts a local Ray cluster with one
 prefill and one decode actor behind the router, sends a mixed batch of requests through the
 real HTTP API (short prompts take the local-prefill path, long ones the disaggregated path;
 some streamed), prints each request's TTFT, TPOT and where its prefill ran, then a summary,
@@ -56,20 +57,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--disagg-threshold", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "tandem" / "models"
-
-
-def demo_model(seed: int = 0) -> Path:
-    from engine.make_model import make_model
-
-    out = _cache_dir() / f"llama-small-{seed}"
-    if not (out / "config.json").is_file():
-        make_model(out, arch="llama", preset="small", seed=seed)
-    return out
 
 
 async def _one(
@@ -136,9 +123,10 @@ async def _drive(url: str, n: int, seed: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.serve import Deployment, ServeSettings
+    from engine.make_model import cached_model
 
     t0 = time.perf_counter()
-    model = Path(args.model) if args.model else demo_model(args.seed)
+    model = Path(args.model) if args.model else cached_model(seed=args.seed)
     settings = ServeSettings(
         model=str(model),
         prefill=1,
@@ -159,6 +147,14 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(1.0)  # let the last load reports reach the controller
         loads = dep.worker_loads()
     failed = [r for r in results if "error" in r]
+    ok = [r for r in results if "error" not in r]
+    _print_requests(results)
+    _print_summary(ok, loads)
+    print(f"  {len(ok)} ok, {len(failed)} failed, {time.perf_counter() - t0:.1f}s in all")
+    return 1 if failed else 0
+
+
+def _print_requests(results: list[dict]) -> None:
     print(
         f"{'req':>3}  {'path':<6} {'prefill on':<10} {'decode on':<9} {'tokens':>6} "
         f"{'TTFT ms':>8} {'TPOT ms':>8} {'E2E ms':>8}"
@@ -172,7 +168,10 @@ def run(args: argparse.Namespace) -> int:
             f"{r['tokens']:>6} {r['ttft'] * 1e3:>8.1f} {r['tpot'] * 1e3:>8.1f} "
             f"{r['e2e'] * 1e3:>8.1f}"
         )
-    ok = [r for r in results if "error" not in r]
+
+
+def _print_summary(ok: list[dict], loads: dict) -> None:
+    """Per-path latency medians, then what the pools did (from their last load reports)."""
     print("\nsummary")
     for path in ("local", "remote"):
         rs = [r for r in ok if r["path"] == path]
@@ -199,5 +198,3 @@ def run(args: argparse.Namespace) -> int:
         f"{p.get('num_total_blocks')}, decode {d.get('num_free_blocks')}/"
         f"{d.get('num_total_blocks')}"
     )
-    print(f"  {len(ok)} ok, {len(failed)} failed, {time.perf_counter() - t0:.1f}s in all")
-    return 1 if failed else 0

@@ -19,56 +19,155 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from decode_worker.server import FAILURE_POLICIES
+from engine.config_flags import add_flags, field_default, setting, values_from_args
+from engine.llm_engine import EngineConfig
+from engine.quantization import QUANTIZATIONS
+from engine.quantization import validate as validate_quantization
+from engine.roles import COLOCATED, DECODE, PREFILL
+from router.config import RouterConfig
 
 log = logging.getLogger("tandem.serve")
+MODES = ("disagg", "colocated")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+# RouterConfig fields that `tandem serve` sets itself (from its own settings or the engine's),
+# so they are not offered again in the router flag group.
+_ROUTER_FIELDS_FROM_SERVE = frozenset(
+    {
+        "model_path",
+        "served_model_name",
+        "host",
+        "port",
+        "bind_host",
+        "api_key",
+        "disagg_threshold",
+        "max_frame_bytes",
+        "max_model_len",
+        "default_block_size",
+    }
+)
+# EngineConfig fields a deployment sets per worker, never from the command line.
+_ENGINE_FIELDS_FROM_SERVE = frozenset({"model", "role", "device", "quantization"})
+
+
+def _router_default(name: str):
+    return field_default(RouterConfig, name)
 
 
 @dataclass(slots=True)
 class ServeSettings:
-    model: str
-    mode: str = "disagg"
-    prefill: int = 1
-    decode: int = 1
-    replicas: int = 2
-    host: str = "127.0.0.1"
-    port: int = 8000
-    address: str | None = None  # None: start a local Ray cluster
-    api_key: str | None = None
-    served_model_name: str | None = None
-    bind_host: str = "127.0.0.1"
-    prefill_resource: str | None = None
-    decode_resource: str | None = None
-    num_cpus: int | None = None
-    disagg_threshold: int = 256
-    lease_seconds: float = 30.0
-    on_transfer_failure: str = "recompute"
-    log_level: str = "WARNING"
-    max_frame_bytes: int = 16 << 20
+    """Everything `tandem serve` needs. Its flags are generated from these fields, from
+    `RouterConfig`'s (group "router") and from `EngineConfig`'s (group "engine"), so every
+    setting and default is written once. `engine` and `router` hold overrides of those two
+    configs' fields (by name) beyond what this class sets itself."""
+
+    model: str = setting(help="local Hugging Face model directory (config.json + safetensors)")
+    mode: str = setting("disagg", "prefill + decode pools, or colocated replicas", choices=MODES)
+    prefill: int = setting(1, "prefill actors (disagg)")
+    decode: int = setting(1, "decode actors (disagg)")
+    replicas: int = setting(2, "engine replicas (colocated)")
+    host: str = setting(_router_default("host"), "HTTP listen address")
+    port: int = setting(_router_default("port"), "HTTP port (0: any free port)")
+    address: str | None = setting(
+        None, "Ray cluster to attach to ('auto' or HOST:PORT); default: start a local one"
+    )
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health (or set TANDEM_API_KEY)",
+    )
+    served_model_name: str | None = setting(None, "model name in the API (default: --model)")
+    bind_host: str = setting(
+        _router_default("bind_host"),
+        "address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP",
+    )
+    prefill_resource: str | None = setting(
+        None, "custom Ray resource every prefill actor requires (1 unit)"
+    )
+    decode_resource: str | None = setting(
+        None, "custom Ray resource every decode actor requires (1 unit)"
+    )
+    num_cpus: int | None = setting(None, "CPUs of a local Ray cluster (default: all)")
+    disagg_threshold: int = setting(
+        _router_default("disagg_threshold"),
+        "prompts shorter than this many tokens are prefilled on the decode worker",
+    )
+    lease_seconds: float = setting(30.0, "how long a prefill worker holds KV for its decode peer")
+    on_transfer_failure: str = setting(
+        "recompute",
+        "when KV cannot be fetched: recompute the prompt on the decode worker, or fail",
+        choices=FAILURE_POLICIES,
+    )
+    log_level: str = setting(
+        "WARNING", "log level of the workers and the router", parse=str.upper, choices=LOG_LEVELS
+    )
+    max_frame_mb: float = setting(
+        16.0, "largest ZMQ frame a worker or the router accepts; larger ones are dropped"
+    )
     # Weight-only quantization of the workers that decode (decode pool, colocated replicas);
     # the prefill pool keeps full weights (it is compute-bound, not weight-bandwidth-bound).
-    decode_quantization: str = "none"
-    engine: dict = field(default_factory=dict)  # EngineConfig fields except model/role
+    decode_quantization: str = setting(
+        "none",
+        "weight-only quantization of the decode pool (and colocated replicas)",
+        choices=QUANTIZATIONS,
+    )
+    engine: dict = setting(default_factory=dict, cli=False)  # EngineConfig overrides
+    router: dict = setting(default_factory=dict, cli=False)  # RouterConfig overrides
 
     def __post_init__(self) -> None:
-        if self.mode not in ("disagg", "colocated"):
-            raise ValueError(f"mode must be disagg or colocated, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         for name in ("prefill", "decode", "replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        from engine.quantization import validate
+        if self.on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
+        if not self.max_frame_mb > 0:
+            raise ValueError(f"max_frame_mb must be > 0, got {self.max_frame_mb}")
+        self.decode_quantization = validate_quantization(self.decode_quantization)
+        for what, overrides, owned in (
+            ("engine", self.engine, _ENGINE_FIELDS_FROM_SERVE),
+            ("router", self.router, _ROUTER_FIELDS_FROM_SERVE),
+        ):
+            clash = sorted(set(overrides) & owned)
+            if clash:
+                raise ValueError(f"{what} overrides {clash} are set by ServeSettings itself")
 
-        self.decode_quantization = validate(self.decode_quantization)
+    @property
+    def max_frame_bytes(self) -> int:
+        return int(self.max_frame_mb * 2**20)
 
     def pools(self) -> list[tuple[str, str]]:
         """(worker id, role) for every worker to start."""
         if self.mode == "colocated":
-            return [(f"replica-{i}", "colocated") for i in range(self.replicas)]
-        return [(f"prefill-{i}", "prefill") for i in range(self.prefill)] + [
-            (f"decode-{i}", "decode") for i in range(self.decode)
+            return [(f"replica-{i}", COLOCATED) for i in range(self.replicas)]
+        return [(f"prefill-{i}", PREFILL) for i in range(self.prefill)] + [
+            (f"decode-{i}", DECODE) for i in range(self.decode)
         ]
+
+    def router_config(self, bind_host: str) -> RouterConfig:
+        """The router's settings; `bind_host` is `self.bind_host` with 'auto' resolved."""
+        return RouterConfig(
+            **self.router,
+            model_path=self.model,
+            served_model_name=self.served_model_name,
+            host=self.host,
+            port=self.port,
+            bind_host=bind_host,
+            api_key=self.api_key,
+            # Colocated replicas prefill everything themselves.
+            disagg_threshold=self.disagg_threshold if self.mode == "disagg" else 1 << 30,
+            max_frame_bytes=self.max_frame_bytes,
+            default_block_size=self.engine.get(
+                "block_size", field_default(EngineConfig, "block_size")
+            ),
+            max_model_len=self.engine.get("max_model_len"),
+        )
 
 
 class Deployment:
@@ -88,45 +187,72 @@ class Deployment:
 
     # -- start -----------------------------------------------------------------------------
     def _quantization(self, role: str) -> str:
-        return "none" if role == "prefill" else self.s.decode_quantization
+        return "none" if role == PREFILL else self.s.decode_quantization
 
     def start(self) -> Deployment:
         import ray
 
-        from cluster.controller import CONTROLLER_NAME, NAMESPACE, Controller
-        from cluster.worker_actor import WorkerActor
+        from cluster.controller import CONTROLLER_NAME, Controller
 
-        s = self.s
-        # Token authentication stays on (Ray's default for new clusters); never turn it off.
-        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-            raise RuntimeError("RAY_AUTH_MODE=disabled: tandem keeps Ray token auth on")
-        # Worker log lines (e.g. a dropped bad frame) reach the driver at once, not batched.
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        if not ray.is_initialized():
-            kwargs = {"namespace": NAMESPACE, "logging_level": logging.WARNING}
-            if s.address:
-                ray.init(address=s.address, **kwargs)
-            else:
-                ray.init(num_cpus=s.num_cpus or os.cpu_count(), include_dashboard=False, **kwargs)
-                self._started_ray = True
+        self._init_ray()
         t0 = time.perf_counter()
         self.controller = (
             ray.remote(Controller)
             .options(name=CONTROLLER_NAME, num_cpus=0, get_if_exists=True, max_concurrency=64)
             .remote()
         )
+        self._start_workers()
+        infos = ray.get([a.info.remote() for a in self.actors.values()])
+        for info, actor in zip(infos, self.actors.values(), strict=True):
+            ray.get(self.controller.register.remote(info, actor))
+            print(
+                f"tandem:   {info['worker_id']:<10} {info['role']:<9} "
+                f"requests {info['request_endpoint']}  kv {info['kv_endpoint'] or '-'}  "
+                f"weights {info.get('weights', '?')}",
+                flush=True,
+            )
+        self._start_router()
+        print(
+            f"tandem: serving {self.s.served_model_name or self.s.model} on {self.url} "
+            f"({time.perf_counter() - t0:.1f}s to start)",
+            flush=True,
+        )
+        return self
+
+    def _init_ray(self) -> None:
+        import ray
+
+        from cluster.controller import NAMESPACE
+
+        # Token authentication stays on (Ray's default for new clusters); never turn it off.
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            raise RuntimeError("RAY_AUTH_MODE=disabled: tandem keeps Ray token auth on")
+        # Worker log lines (e.g. a dropped bad frame) reach the driver at once, not batched.
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        if ray.is_initialized():
+            return
+        kwargs = {"namespace": NAMESPACE, "logging_level": logging.WARNING}
+        if self.s.address:
+            ray.init(address=self.s.address, **kwargs)
+        else:
+            ray.init(num_cpus=self.s.num_cpus or os.cpu_count(), include_dashboard=False, **kwargs)
+            self._started_ray = True
+
+    def _start_workers(self) -> None:
+        import ray
+
+        from cluster.worker_actor import WorkerActor
+
+        s = self.s
         pools = s.pools()
-        total_cpus = ray.cluster_resources().get("CPU", 1)
-        use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-        cpu_share = max(total_cpus / len(pools), 0.01)
+        resources = ray.cluster_resources()
+        use_gpu = resources.get("GPU", 0) > 0
+        cpu_share = max(resources.get("CPU", 1) / len(pools), 0.01)
         engine_kwargs = {"model": s.model, **s.engine}
         for wid, role in pools:
             opts: dict = {"name": f"tandem-{wid}", "max_concurrency": 4, "max_restarts": 0}
-            if use_gpu:
-                opts.update(num_gpus=1, num_cpus=1)
-            else:
-                opts.update(num_cpus=cpu_share)
-            resource = {"prefill": s.prefill_resource, "decode": s.decode_resource}.get(role)
+            opts.update({"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cpu_share})
+            resource = {PREFILL: s.prefill_resource, DECODE: s.decode_resource}.get(role)
             if resource:
                 opts["resources"] = {resource: 1}
             self.actors[wid] = (
@@ -147,26 +273,9 @@ class Deployment:
         print(
             f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})", flush=True
         )
-        infos = ray.get([a.info.remote() for a in self.actors.values()])
-        for info, actor in zip(infos, self.actors.values(), strict=True):
-            ray.get(self.controller.register.remote(info, actor))
-            print(
-                f"tandem:   {info['worker_id']:<10} {info['role']:<9} "
-                f"requests {info['request_endpoint']}  kv {info['kv_endpoint'] or '-'}  "
-                f"weights {info.get('weights', '?')}",
-                flush=True,
-            )
-        self._start_router()
-        print(
-            f"tandem: serving {s.served_model_name or s.model} on {self.url} "
-            f"({time.perf_counter() - t0:.1f}s to start)",
-            flush=True,
-        )
-        return self
 
     def _start_router(self) -> None:
         from cluster.directory import ControllerDirectory
-        from router.config import RouterConfig
         from router.server import RouterServer
 
         s = self.s
@@ -175,18 +284,7 @@ class Deployment:
             import ray
 
             bind = ray.util.get_node_ip_address()
-        config = RouterConfig(
-            max_frame_bytes=s.max_frame_bytes,
-            model_path=s.model,
-            served_model_name=s.served_model_name,
-            host=s.host,
-            port=s.port,
-            bind_host=bind,
-            api_key=s.api_key,
-            disagg_threshold=s.disagg_threshold if s.mode == "disagg" else 1 << 30,
-            default_block_size=s.engine.get("block_size", 16),
-            max_model_len=s.engine.get("max_model_len"),
-        )
+        config = s.router_config(bind)
         self.router = RouterServer(config, ControllerDirectory(self.controller))
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
@@ -250,115 +348,19 @@ class Deployment:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local HF model directory")
-    p.add_argument("--mode", choices=["disagg", "colocated"], default="disagg")
-    p.add_argument("--prefill", type=int, default=1, help="prefill actors (disagg)")
-    p.add_argument("--decode", type=int, default=1, help="decode actors (disagg)")
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (colocated)")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--address",
-        default=None,
-        help="Ray cluster to attach to ('auto' or HOST:PORT); default: start one",
-    )
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' (or set TANDEM_API_KEY)",
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument(
-        "--bind-host",
-        default="127.0.0.1",
-        help="address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP",
-    )
-    p.add_argument(
-        "--prefill-resource",
-        default=None,
-        help="custom Ray resource every prefill actor requires (1 unit)",
-    )
-    p.add_argument(
-        "--decode-resource",
-        default=None,
-        help="custom Ray resource every decode actor requires (1 unit)",
-    )
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster")
-    p.add_argument(
-        "--disagg-threshold",
-        type=int,
-        default=256,
-        help="prompts shorter than this many tokens are prefilled on the decode worker",
-    )
-    p.add_argument("--lease-seconds", type=float, default=30.0)
-    p.add_argument("--on-transfer-failure", choices=["recompute", "error"], default="recompute")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--kv-dtype", choices=["auto", "fp8_e4m3"], default="auto")
-    p.add_argument(
-        "--decode-quantization",
-        choices=["none", "int8"],
-        default="none",
-        help="weight-only quantization of the decode pool (and colocated replicas)",
-    )
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-chunked-prefill", action="store_true")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--max-frame-mb",
-        type=float,
-        default=16.0,
-        help="largest ZMQ frame a worker accepts; larger ones are logged and dropped",
-    )
-    p.add_argument("--ready-file", default=None, help="write {url} as JSON here when serving")
-    p.add_argument("--log-level", default="WARNING")
+    add_flags(p, ServeSettings)
+    add_flags(p, RouterConfig, title="router", exclude=_ROUTER_FIELDS_FROM_SERVE)
+    add_flags(p, EngineConfig, title="engine", exclude=_ENGINE_FIELDS_FROM_SERVE)
+    p.add_argument("--ready-file", default=None, help="write {url, pid} as JSON here when serving")
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
-    engine = {
-        "dtype": args.dtype,
-        "kv_dtype": args.kv_dtype,
-        "load_format": args.load_format,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory_gb": args.kv_cache_memory_gb,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "enable_chunked_prefill": not args.no_chunked_prefill,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "attention_backend": args.attention_backend,
-        "seed": args.seed,
-    }
+    values = values_from_args(ServeSettings, args)
+    values["api_key"] = values["api_key"] or os.environ.get("TANDEM_API_KEY") or None
     return ServeSettings(
-        model=args.model,
-        mode=args.mode,
-        prefill=args.prefill,
-        decode=args.decode,
-        replicas=args.replicas,
-        host=args.host,
-        port=args.port,
-        address=args.address,
-        api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-        served_model_name=args.served_model_name,
-        bind_host=args.bind_host,
-        prefill_resource=args.prefill_resource,
-        decode_resource=args.decode_resource,
-        num_cpus=args.num_cpus,
-        disagg_threshold=args.disagg_threshold,
-        lease_seconds=args.lease_seconds,
-        on_transfer_failure=args.on_transfer_failure,
-        log_level=args.log_level,
-        max_frame_bytes=int(args.max_frame_mb * 2**20),
-        decode_quantization=args.decode_quantization,
-        engine=engine,
+        **values,
+        engine=values_from_args(EngineConfig, args, exclude=_ENGINE_FIELDS_FROM_SERVE),
+        router=values_from_args(RouterConfig, args, exclude=_ROUTER_FIELDS_FROM_SERVE),
     )
 
 

@@ -34,19 +34,19 @@ class WorkerActor:
 
             bind_host = ray.util.get_node_ip_address()
         from engine.llm_engine import EngineConfig, LLMEngine
+        from engine.roles import DECODE, PREFILL, check_role
 
-        engine_role = {"prefill": "prefill", "decode": "decode"}.get(role, "colocated")
-        engine = LLMEngine(EngineConfig(**engine_kwargs, role=engine_role))
+        engine = LLMEngine(EngineConfig(**engine_kwargs, role=check_role(role)))
         self.worker_id, self.role = worker_id, role
         quant = engine.config.quantization or "none"
         self.weights = quant if quant != "none" else engine.config.dtype
-        if role == "prefill":
+        if role == PREFILL:
             from kv_transfer.agent import KVTransferAgent
             from prefill_worker.server import PrefillServer
 
             agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
             self.server = PrefillServer(worker_id, engine, agent, bind_host, max_frame_bytes)
-        elif role == "decode":
+        elif role == DECODE:
             from decode_worker.server import DecodeServer
             from kv_transfer.agent import KVTransferAgent
 
@@ -57,7 +57,7 @@ class WorkerActor:
         else:
             from engine.engine_server import EngineServer
 
-            self.server = EngineServer(worker_id, "colocated", engine, bind_host, max_frame_bytes)
+            self.server = EngineServer(worker_id, role, engine, bind_host, max_frame_bytes)
         # Everything allocated so far (model, tokenizer, imported modules) lives as long as
         # the worker: move it out of the collector's view, so that a full collection during
         # serving scans only what serving allocates (a long pause there is a TPOT outlier).

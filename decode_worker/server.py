@@ -3,27 +3,40 @@
 Local prefill: a `GenerateRequest` runs here from prompt to last token (short prompts; the
 router's conditional disaggregation).
 
-Remote prefill (the default path), from this side:
-  KVReady arrives -> queued (FIFO) until the engine has room for the prompt's blocks
-  (natural backpressure: nothing is admitted that cannot be held)
-  -> handshake with the sender once per pair -> blocks reserved (state REMOTE_KV) and a NIXL
-     READ started -> `ReadDone` -> the sequence joins the running batch at the next step with
+Remote prefill (the default path), from this side. The engine's scheduler owns admission (one
+policy, one block pool, engine/scheduler.py); this server is the engine's KV connector
+(engine/kv_connector.py) and moves the bytes:
+  KVReady arrives -> `LLMEngine.add_remote_request`: queued with local requests, FIFO, until the
+  scheduler has a sequence slot and the prompt's blocks (natural backpressure: nothing is
+  admitted that cannot be held)
+  -> `on_remote_admitted(rid, blocks)`: handshake with the sender once per pair, a NIXL READ
+     into the blocks just allocated (state REMOTE_KV)
+  -> `ReadDone` -> `commit_remote`: the sequence joins the running batch at the next step with
      the prefill worker's first token in place, and streams tokens from index 1.
-  `ReadFailed` (peer died, lease expired, timeout) frees the reserved blocks and, by policy,
-  recomputes the prompt here ("recompute", the default) or fails the request ("error"): a
-  request is never answered from KV that did not arrive whole.
-An abort while a READ is in flight cancels it and frees the blocks only once the agent reports
-the READ over, so no READ can land in a block that was given to another request.
+  `ReadFailed` (peer died, lease expired, timeout), a lease that expired while the request
+  queued, or a transfer that cannot start: by policy the prompt is prefilled here
+  (`recompute_remote`, "recompute", the default) or the request fails ("error"): a request is
+  never answered from KV that did not arrive whole.
+
+Aborts (the router aborts both workers at once, so an abort can come at any point):
+  before KVReady  -> remembered (`early_aborts`); the late KVReady is dropped and the sender
+                     told to release its blocks at once
+  KVReady queued  -> dropped from the engine (it holds no blocks) and the sender told to release
+  during the READ -> the READ is cancelled; the blocks are freed on the `ReadFailed` that
+                     follows, never before (no READ can land in a reused block)
+  after ReadDone  -> an ordinary abort: the engine frees the blocks
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from engine.engine_server import EngineServer
+from engine.kv_connector import Handoff
 from engine.llm_engine import LLMEngine
+from engine.roles import DECODE
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.errors import HandshakeError, TransferError
 from kv_transfer.events import ReadDone, ReadFailed
@@ -31,6 +44,7 @@ from kv_transfer.messages import KVReady
 
 log = logging.getLogger(__name__)
 FAILURE_POLICIES = ("recompute", "error")
+MAX_EARLY_ABORTS = 10_000
 
 
 class DecodeServer(EngineServer):
@@ -46,45 +60,85 @@ class DecodeServer(EngineServer):
         if on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         self.agent = agent
-        super().__init__(worker_id, "decode", engine, bind_host, max_frame_bytes)
+        super().__init__(worker_id, DECODE, engine, bind_host, max_frame_bytes)
+        engine.set_kv_connector(self)
         self.policy = on_transfer_failure
-        self.incoming: deque[KVReady] = deque()
-        self.reading: dict[str, KVReady] = {}
-        self.aborted: set[str] = set()
-        # Aborts that arrived before their KVReady (the router aborts both workers at once,
-        # while the prefill worker may still be working): a late KVReady for one of these is
-        # dropped and its blocks released on the sender. Bounded, oldest forgotten first.
+        self.remote: dict[str, KVReady] = {}  # hand-offs queued in the engine or being read
+        self.reading: set[str] = set()
+        self.aborted: set[str] = set()  # aborted during their READ: freed on ReadFailed
+        # Aborts that arrived before their KVReady (the prefill worker may still be working).
+        # Bounded, oldest forgotten first.
         self.early_aborts: OrderedDict[str, None] = OrderedDict()
         self.num_remote = 0
         self.num_local = 0
         self.num_recomputed = 0
 
+    # -- input -------------------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, KVReady):
-            if self.early_aborts.pop(msg.request_id, False) is None:
-                self._release_on_sender(msg)
-                return
-            self.incoming.append(msg)
+            self._queue_remote(msg)
         else:
             super().handle(msg)
+
+    def _queue_remote(self, msg: KVReady) -> None:
+        rid = msg.request_id
+        if self.early_aborts.pop(rid, False) is None:
+            self._release_on_sender(msg)
+            return
+        try:
+            self.engine.add_remote_request(rid, msg.prompt_token_ids, msg.first_token, msg.sampling)
+        except ValueError as e:
+            self._release_on_sender(msg)
+            self.send_error(msg.reply_to, rid, str(e))
+            return
+        self.remote[rid] = msg
+        self.reply_to[rid] = msg.reply_to
 
     def add_generate(self, msg) -> None:
         self.num_local += 1
         super().add_generate(msg)
 
+    # -- the engine's KV connector (decode half) ----------------------------------------------
+    def on_prefilled(self, handoff: Handoff) -> bool:
+        return False  # a decode engine never hands KV on
+
+    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+        msg = self.remote[request_id]
+        if time.time() >= msg.lease_deadline:
+            self._fallback(request_id, "its lease expired before this worker had room")
+            return
+        try:
+            self.agent.connect(msg.sender)
+        except HandshakeError as e:  # incompatible peer: recomputing would hide a misconfig
+            self._fail(request_id, str(e))
+            return
+        except TransferError as e:
+            self._fallback(request_id, str(e))
+            return
+        try:
+            self.agent.start_read(
+                request_id, msg.sender.name, msg.block_ids, block_ids, msg.lease_deadline
+            )
+        except TransferError as e:
+            self._release_on_sender(msg)  # no READ will come: the sender need not wait
+            self._fallback(request_id, str(e))
+            return
+        self.reading.add(request_id)
+
+    # -- transfer events ------------------------------------------------------------------
     def has_pending_work(self) -> bool:
-        return bool(self.incoming or self.reading)
+        return bool(self.reading)
 
     def before_step(self) -> None:
         for ev in self.agent.poll():
             if isinstance(ev, ReadDone):
                 self._landed(ev.request_id)
             elif isinstance(ev, ReadFailed):
-                self._failed(ev.request_id, ev.reason)
-        self._admit()
+                self._read_failed(ev.request_id, ev.reason)
 
     def _landed(self, rid: str) -> None:
-        msg = self.reading.pop(rid, None)
+        self.reading.discard(rid)
+        msg = self.remote.pop(rid, None)
         if msg is None or rid in self.aborted:
             self.aborted.discard(rid)
             self.engine.abort(rid)
@@ -94,70 +148,32 @@ class DecodeServer(EngineServer):
         if done is not None:
             self.publish([done])
 
-    def _failed(self, rid: str, reason: str) -> None:
-        msg = self.reading.pop(rid, None)
-        self.engine.abort(rid)  # the READ is over: the reserved blocks can be reused
+    def _read_failed(self, rid: str, reason: str) -> None:
+        self.reading.discard(rid)
+        msg = self.remote.get(rid)
         if msg is None or rid in self.aborted:
             self.aborted.discard(rid)
+            self.remote.pop(rid, None)
+            self.engine.abort(rid)  # the READ is over: the blocks can be reused
             self.reply_to.pop(rid, None)
             return
-        self._fallback(msg, f"KV transfer from {msg.prefill_worker_id} failed: {reason}")
+        self._fallback(rid, f"KV transfer from {msg.prefill_worker_id} failed: {reason}")
 
-    def _fallback(self, msg: KVReady, why: str) -> None:
-        log.warning("%s: %s: %s", self.worker_id, msg.request_id, why)
+    def _fallback(self, rid: str, why: str) -> None:
+        """No READ is in flight for `rid` (none started, or it is over): recompute or fail."""
+        log.warning("%s: %s: %s", self.worker_id, rid, why)
         if self.policy == "recompute":
-            try:
-                self.engine.resume_request(
-                    msg.request_id, msg.prompt_token_ids, [msg.first_token], msg.sampling
-                )
-                self.reply_to[msg.request_id] = msg.reply_to
-                self.num_recomputed += 1
-                return
-            except ValueError as e:
-                why = f"{why}; recompute refused: {e}"
-        self.reply_to.pop(msg.request_id, None)
-        self.send_error(msg.reply_to, msg.request_id, why)
+            self.remote.pop(rid)
+            self.engine.recompute_remote(rid)
+            self.num_recomputed += 1
+            return
+        self._fail(rid, why)
 
-    def _admit(self) -> None:
-        while self.incoming:
-            msg = self.incoming[0]
-            rid = msg.request_id
-            if time.time() >= msg.lease_deadline:
-                self.incoming.popleft()
-                self._fallback(msg, "its lease expired before this worker had room")
-                continue
-            try:
-                self.agent.connect(msg.sender)
-            except HandshakeError as e:
-                self.incoming.popleft()
-                self.send_error(msg.reply_to, rid, str(e))
-                continue
-            except TransferError as e:
-                self.incoming.popleft()
-                self._fallback(msg, str(e))
-                continue
-            try:
-                blocks = self.engine.reserve_remote(
-                    rid, msg.prompt_token_ids, msg.first_token, msg.sampling
-                )
-            except ValueError as e:
-                self.incoming.popleft()
-                self._release_on_sender(msg)
-                self.send_error(msg.reply_to, rid, str(e))
-                continue
-            if blocks is None:
-                return  # no room: wait for running requests to finish
-            self.incoming.popleft()
-            try:
-                self.agent.start_read(
-                    rid, msg.sender.name, msg.block_ids, blocks, msg.lease_deadline
-                )
-            except TransferError as e:
-                self.engine.abort(rid)
-                self._fallback(msg, str(e))
-                continue
-            self.reading[rid] = msg
-            self.reply_to[rid] = msg.reply_to
+    def _fail(self, rid: str, why: str) -> None:
+        msg = self.remote.pop(rid)
+        self.engine.abort(rid)
+        self.reply_to.pop(rid, None)
+        self.send_error(msg.reply_to, rid, why)
 
     def _release_on_sender(self, msg: KVReady) -> None:
         """Tell the prefill worker now that its blocks will not be read (else the lease
@@ -165,32 +181,38 @@ class DecodeServer(EngineServer):
         try:
             self.agent.connect(msg.sender)
         except (HandshakeError, TransferError) as e:
-            log.warning("%s: cannot reach %s to release %s: %s", self.worker_id,
-                        msg.sender.name, msg.request_id, e)
+            log.warning(
+                "%s: cannot reach %s to release %s: %s",
+                self.worker_id,
+                msg.sender.name,
+                msg.request_id,
+                e,
+            )
         self.agent.abort(msg.request_id, peer_name=msg.sender.name)
 
+    # -- aborts ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
-        for msg in self.incoming:
-            if msg.request_id == request_id:
-                self.incoming.remove(msg)
-                self._release_on_sender(msg)
-                self.reply_to.pop(request_id, None)
-                return
-        if request_id in self.reading:
+        msg = self.remote.get(request_id)
+        if msg is not None and request_id in self.reading:
             self.aborted.add(request_id)
             self.agent.abort(request_id)  # blocks are freed on the ReadFailed that follows
             self.reply_to.pop(request_id, None)
+            self.num_aborts += 1
             return
-        if request_id not in self.engine.seqs:
+        if msg is not None:  # queued in the engine: no blocks, no READ
+            del self.remote[request_id]
+            self._release_on_sender(msg)
+        elif request_id not in self.engine.seqs:
             self.early_aborts[request_id] = None
-            while len(self.early_aborts) > 10_000:
+            while len(self.early_aborts) > MAX_EARLY_ABORTS:
                 self.early_aborts.popitem(last=False)
         super().abort(request_id)
 
+    # -- load report -------------------------------------------------------------------------
     def extra_load(self) -> dict:
         st = self.agent.stats()
         return {
-            "incoming": len(self.incoming),
+            "incoming": len(self.remote) - len(self.reading),
             "reading": len(self.reading),
             "remote_prefills": self.num_remote,
             "local_prefills": self.num_local,

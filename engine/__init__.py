@@ -1,9 +1,29 @@
 """tandem's shared model runtime: paged KV cache, token-budget scheduler, attention backends,
-Llama-family models, sampling, and the `LLM` offline entry point."""
+Llama-family models, sampling, and the `LLM` offline entry point.
 
-from engine.llm import LLM
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.outputs import RequestOutput, TokenOutput
-from engine.sampling_params import SamplingParams
+The public names are resolved lazily (PEP 562) so the torch-free modules the router needs
+(`engine.protocol`, `engine.wire`, `engine.sampling_params`, `engine.roles`,
+`engine.config_flags`) can be imported without loading torch.
+"""
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "TokenOutput"]
+from __future__ import annotations
+
+import importlib
+
+_PUBLIC = {
+    "LLM": "engine.llm",
+    "EngineConfig": "engine.llm_engine",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.outputs",
+    "TokenOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

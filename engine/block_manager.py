@@ -72,6 +72,10 @@ class BlockManager:
             hits.append(bid)
         return hits
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the prefix cache holds (whole blocks)."""
+        return len(self._lookup(token_ids)) * self.block_size
+
     def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
         hits = self._lookup(token_ids) if token_ids is not None else []
         # A hit on a free block takes it out of the free queue, so it costs a free block too.

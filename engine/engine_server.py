@@ -72,6 +72,8 @@ class EngineServer:
         self.replies = ReplySockets(self.ctx)
         self.reply_to: dict[str, str] = {}  # request id -> router endpoint
         self.num_bad_frames = 0
+        self.num_aborts = 0  # requests this worker dropped on an AbortRequest
+        self._stalled = False  # the last step had nothing it could run
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
@@ -107,16 +109,21 @@ class EngineServer:
                 self.fail_all("internal error in the engine step")
 
     def run_once(self) -> None:
-        # Never spin: with transfers pending but nothing to step, wait 1 ms (releasing the GIL
-        # for the transfer agent's thread); fully idle, 20 ms.
-        if self.engine.has_unfinished():
+        # Never spin: with work that cannot run yet (transfers in flight, or requests waiting
+        # for blocks those transfers hold) wait 1 ms, releasing the GIL for the transfer
+        # agent's thread; fully idle, 20 ms.
+        unfinished = self.engine.has_unfinished()
+        if unfinished and not self._stalled:
             timeout_ms = 0
         else:
-            timeout_ms = 1 if self.has_pending_work() else 20
+            timeout_ms = 1 if unfinished or self.has_pending_work() else 20
         self._receive(timeout_ms)
         self.before_step()
+        self._stalled = False
         if self.engine.has_unfinished():
+            steps = self.engine.num_steps
             self.publish(self.engine.step())
+            self._stalled = self.engine.num_steps == steps
         self.after_step()
         now = time.monotonic()
         if now - self._load_time > 0.05:
@@ -167,7 +174,10 @@ class EngineServer:
         self.reply_to[msg.request_id] = msg.reply_to
 
     def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        """Drop a request; unknown ids are ignored (the router aborts both workers, and a
+        request may have finished already)."""
+        if self.engine.abort(request_id):
+            self.num_aborts += 1
         self.reply_to.pop(request_id, None)
 
     # -- output ------------------------------------------------------------------------------
@@ -238,6 +248,7 @@ class EngineServer:
             extra={
                 **self.extra_load(),
                 "bad_frames": self.num_bad_frames,
+                "aborts": self.num_aborts,
                 "preemptions": s["num_preemptions"],
                 "prefix_hit_tokens": s["prefix_hit_tokens"],
                 "time": time.time(),

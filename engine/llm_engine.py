@@ -1,11 +1,14 @@
 """The engine loop: add requests, `step()` (schedule -> run -> postprocess), abort.
 
-One engine serves all three roles. "colocated" runs requests from prompt to last token.
-"prefill" stops each request after its first token and keeps its blocks (state PREFILLED)
-until the worker has handed them to a decode peer and calls `release`. "decode" also accepts
-requests whose prompt KV arrives from a peer: `reserve_remote` allocates blocks for it (state
-REMOTE_KV), the transfer fills them, and `commit_remote` joins the sequence to the batch with
-the prefill worker's first token already in place.
+One engine serves all three roles (engine/roles.py). "colocated" runs requests from prompt to
+last token. "prefill" stops each request after its first token: the step marks it PREFILLED
+(its blocks kept) and hands it to the KV connector (`on_prefilled`), which gives the blocks
+back with `release` once a decode peer has them. "decode" also accepts requests whose prompt KV
+arrives from a peer (`add_remote_request`): they queue and are admitted by the same scheduler
+as local ones; on admission the connector's `on_remote_admitted` receives the blocks to fill,
+and `commit_remote` (KV landed: join the batch with the peer's first token in place),
+`recompute_remote` (it did not: prefill here) or `abort` ends the wait. The connector may call
+these from inside `on_remote_admitted` (a transfer that cannot start).
 """
 
 from __future__ import annotations
@@ -19,37 +22,56 @@ import torch
 from engine.attention import select_backend
 from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.config_flags import setting
+from engine.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
+from engine.kv_connector import Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
+from engine.quantization import validate as validate_quantization
+from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
-ROLES = ("colocated", "prefill", "decode")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
-    dtype: str = "bfloat16"
-    load_format: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float | None = None  # budget when num_kv_blocks is None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"
-    kv_dtype: str = "auto"
-    quantization: str | None = None  # None/"none" or "int8" (weight-only; engine.quantization)
-    seed: int = 0
-    device: str | None = None
-    role: str = "colocated"
+    """One engine's settings. The CLI flags of `tandem serve` are generated from these fields
+    (engine/config_flags.py); `cli=False` marks the ones a deployment sets per worker."""
+
+    model: str = setting(help="local Hugging Face model directory", cli=False)
+    dtype: str = setting("bfloat16", "model dtype (float32 for exact parity with HF)")
+    load_format: str = setting(
+        "auto", "'dummy': seeded random weights, no safetensors read", choices=LOAD_FORMATS
+    )
+    block_size: int = setting(16, "KV block size in tokens (a power of two)")
+    num_kv_blocks: int | None = setting(None, "KV cache blocks (default: sized from memory)")
+    kv_cache_memory_gb: float | None = setting(
+        None, "KV cache budget in GiB when --num-kv-blocks is not given (CPU default: 1)"
+    )
+    max_num_seqs: int = setting(256, "sequences per step")
+    max_num_batched_tokens: int = setting(2048, "tokens per step (the chunked-prefill budget)")
+    max_model_len: int | None = setting(None, "cap on the context window")
+    enable_prefix_caching: bool = setting(
+        True, "reuse cached prompt-prefix blocks", aliases=("--prefix-caching",)
+    )
+    enable_chunked_prefill: bool = setting(
+        True, "split long prompts across steps", aliases=("--chunked-prefill",)
+    )
+    attention_backend: str = setting("auto", "auto, torch or flash_attn")
+    kv_dtype: str = setting(
+        "auto", "fp8_e4m3 stores KV in FP8 with per-token scales", choices=KV_DTYPES
+    )
+    quantization: str | None = setting(
+        None, "weight-only quantization (engine.quantization)", cli=False
+    )
+    seed: int = setting(0, "seed for dummy weights and sampling")
+    device: str | None = setting(None, "torch device (default: cuda when present)", cli=False)
+    role: str = setting(COLOCATED, "colocated, prefill or decode", cli=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -62,12 +84,9 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        check_role(self.role)
         parse_dtype(self.dtype)
-        from engine.quantization import validate
-
-        validate(self.quantization)
+        validate_quantization(self.quantization)
 
 
 class LLMEngine:
@@ -110,7 +129,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.seed)
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
-        self.num_aborted = 0
+        self.kv_connector: KVConnector | None = None
 
     # -- sizing --------------------------------------------------------------------------
     def _auto_num_blocks(self) -> int:
@@ -156,23 +175,6 @@ class LLMEngine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def resume_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        output_token_ids: list[int],
-        sampling: SamplingParams,
-    ) -> None:
-        """Queue a request whose first outputs were produced elsewhere; its KV is recomputed
-        (prompt and outputs) like a preempted sequence, and it continues at the next index."""
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(list(prompt_token_ids) + list(output_token_ids))
-        seq = Sequence(request_id, list(prompt_token_ids), sampling)
-        seq.token_ids.extend(output_token_ids)
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is and free its blocks. False if unknown."""
         seq = self.seqs.pop(request_id, None)
@@ -182,18 +184,15 @@ class LLMEngine:
         if seq.block_table:
             self.block_manager.free(seq.block_table)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-        self.num_aborted += 1
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # -- disaggregation hooks ------------------------------------------------------------
-    def prefilled_blocks(self, request_id: str) -> list[int]:
-        seq = self.seqs[request_id]
-        if seq.status != SeqStatus.PREFILLED:
-            raise ValueError(f"request {request_id!r} is {seq.status.value}, not prefilled")
-        return list(seq.block_table)
+    # -- disaggregation: the scheduler-side half of the KV hand-off (engine/kv_connector.py)
+    def set_kv_connector(self, connector: KVConnector | None) -> None:
+        """The worker that moves KV for this engine (prefill and decode roles)."""
+        self.kv_connector = connector
 
     def release(self, request_id: str) -> None:
         """Free a prefilled request's blocks once its hand-off is over (or abandoned)."""
@@ -201,35 +200,31 @@ class LLMEngine:
         if seq is not None and seq.block_table:
             self.block_manager.free(seq.block_table)
 
-    def reserve_remote(
+    def add_remote_request(
         self,
         request_id: str,
         prompt_token_ids: list[int],
         first_token: int,
         sampling: SamplingParams,
-    ) -> list[int] | None:
-        """Blocks to receive a peer's prompt KV, or None while there is no room."""
+    ) -> None:
+        """Queue a request whose prompt KV (and first token) come from a prefill peer. The
+        scheduler admits it like a local one; then the connector's `on_remote_admitted`
+        gets its blocks to fill."""
+        if self.kv_connector is None:
+            raise RuntimeError("add_remote_request needs a KV connector (decode role)")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
-        n = self.block_manager.blocks_needed(len(prompt_token_ids))
-        # Leave room for the running batch to grow by a block each before taking new work.
-        if n + len(self.scheduler.running) > self.block_manager.num_free_blocks:
-            return None
-        seq = Sequence(request_id, list(prompt_token_ids), sampling)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, kv_from_peer=True)
         seq.token_ids.append(first_token)
-        seq.block_table = self.block_manager.allocate_blocks(n)
-        seq.status = SeqStatus.REMOTE_KV
         seq.first_token_time = time.perf_counter()
         self.seqs[request_id] = seq
-        return list(seq.block_table)
+        self.scheduler.add(seq)
 
     def commit_remote(self, request_id: str) -> TokenOutput | None:
         """The peer's KV has landed: join the batch. Returns a final output if the first token
         already finished the request."""
-        seq = self.seqs[request_id]
-        if seq.status != SeqStatus.REMOTE_KV:
-            raise ValueError(f"request {request_id!r} is {seq.status.value}, not remote_kv")
+        seq = self._remote_seq(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_committed_blocks = self.block_manager.commit(
             seq.block_table, seq.token_ids, seq.num_computed_tokens
@@ -241,15 +236,52 @@ class LLMEngine:
         self.scheduler.add_running(seq)
         return None
 
+    def recompute_remote(self, request_id: str) -> None:
+        """The peer's KV will not arrive (the transfer is over): prefill the prompt here and
+        continue after the first token the peer already sent."""
+        self.scheduler.recompute(self._remote_seq(request_id))
+
+    def _remote_seq(self, request_id: str) -> Sequence:
+        seq = self.seqs[request_id]
+        if seq.status != SeqStatus.REMOTE_KV:
+            raise ValueError(f"request {request_id!r} is {seq.status.value}, not remote_kv")
+        return seq
+
+    def _start_fetches(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            try:
+                self.kv_connector.on_remote_admitted(seq.request_id, list(seq.block_table))
+            except Exception:
+                # The connector could not even start: the request must not keep its blocks.
+                log.exception("%s: starting the KV fetch failed", seq.request_id)
+                self.abort(seq.request_id)
+
+    def _hand_off(self, seq: Sequence, first_token: int) -> None:
+        """Prefill role: the prompt is done and the request goes on elsewhere."""
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.PREFILLED
+        handoff = Handoff(seq.request_id, list(seq.block_table), first_token, seq.num_tokens - 1)
+        accepted = False
+        if self.kv_connector is not None:
+            try:
+                accepted = self.kv_connector.on_prefilled(handoff)
+            except Exception:
+                log.exception("%s: the KV hand-off failed", seq.request_id)
+        if not accepted:
+            self.release(seq.request_id)
+
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         plan = self.scheduler.schedule()
+        if plan.fetch:
+            self._start_fetches(plan.fetch)
         if not plan.scheduled:
             return []
         tokens = self.runner.execute(plan)
         self.num_steps += 1
         now = time.perf_counter()
         outputs: list[TokenOutput] = []
+        handoffs: list[tuple[Sequence, int]] = []
         sampled = iter(tokens)
         for s in plan.scheduled:
             seq = s.seq
@@ -268,9 +300,11 @@ class LLMEngine:
             index = seq.num_output_tokens - 1
             if reason is not None:
                 self._finish(seq, reason)
-            elif self.config.role == "prefill":
-                self._hold(seq)
+            elif self.config.role == PREFILL:
+                handoffs.append((seq, token))
             outputs.append(TokenOutput(seq.request_id, index, [token], reason))
+        for seq, token in handoffs:
+            self._hand_off(seq, token)
         return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -288,10 +322,6 @@ class LLMEngine:
         self.block_manager.free(seq.block_table)
         seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
         seq.finish_time = time.perf_counter()
-
-    def _hold(self, seq: Sequence) -> None:
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.PREFILLED
 
     def pop_finished(self, request_id: str) -> Sequence | None:
         seq = self.seqs.get(request_id)

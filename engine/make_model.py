@@ -6,6 +6,10 @@ every parameter from a generator seeded by (seed, parameter name) -> `save_pretr
 (config.json, model.safetensors, generation_config.json) -> save the tokenizer
 (tokenizer.json, tokenizer_config.json with a chat template).
 
+`cached_model(arch, preset, seed, cache_dir)` is the one cache of such checkpoints that the
+demo, `tandem profile`, the benchmarks and the test fixtures share: made once per directory,
+reused only when complete, safe when several processes ask at once.
+
 The checkpoint is what `load_format="auto"` reads and what the correctness tests compare
 against: Hugging Face transformers loads it with `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained`. Each architecture exercises a different corner of the Llama
@@ -30,7 +34,10 @@ import functools
 import hashlib
 import json
 import math
+import os
 import pathlib
+import secrets
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -356,6 +363,73 @@ def make_model(
         f"({n_params / 1e6:.2f}M) vocab={shape.vocab_size} -> {out}"
     )
     return out
+
+
+COMPLETE_MARKER = ".tandem-complete"
+
+
+def default_cache_dir() -> pathlib.Path:
+    """`$XDG_CACHE_HOME/tandem/models` (else `~/.cache/tandem/models`): where the demo, `tandem
+    profile` and benchmarks/compare_disagg.py keep their model, so a machine makes it once."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(pathlib.Path.home() / ".cache")
+    return pathlib.Path(root) / "tandem" / "models"
+
+
+def cached_model(
+    arch: str = "llama",
+    preset: str = "small",
+    seed: int = 0,
+    cache_dir: str | pathlib.Path | None = None,
+) -> pathlib.Path:
+    """The checkpoint for (arch, preset, seed) in `cache_dir` (default: `default_cache_dir()`),
+    made on first use; returns `cache_dir/{arch}-{preset}-seed{seed}`.
+
+    A directory counts as made only when it holds `COMPLETE_MARKER`. It is written into a
+    private temporary directory, the marker last, and renamed into place in one step, so a
+    crash never leaves a directory that looks complete, and two processes making the same
+    model at once both end up with the one that won the rename."""
+    root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    out = root / f"{arch}-{preset}-seed{seed}"
+    if (out / COMPLETE_MARKER).is_file():
+        return out
+    model_shape(arch, preset)  # an unknown name fails here, before any directory is made
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = _private_dir(out, "tmp")
+    try:
+        make_model(tmp, arch=arch, preset=preset, seed=seed)
+        (tmp / COMPLETE_MARKER).write_text(f"{arch} {preset} seed={seed}\n")
+        _discard_incomplete(out)
+        try:
+            tmp.rename(out)
+        except OSError:
+            # Another process renamed its copy into place first (a non-empty target).
+            if not (out / COMPLETE_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
+    return out
+
+
+def _private_dir(out: pathlib.Path, kind: str) -> pathlib.Path:
+    """A new directory beside `out` that no other process picks (pid and random suffix);
+    made with mkdir, not mkdtemp, so the checkpoint keeps the umask's permissions."""
+    path = out.parent / f".{out.name}.{kind}.{os.getpid()}.{secrets.token_hex(4)}"
+    path.mkdir()
+    return path
+
+
+def _discard_incomplete(out: pathlib.Path) -> None:
+    """Remove `out` if it exists without the marker (a crashed run, or an older cache layout)
+    so the rename can take its place. It is first renamed to a unique name, an atomic step, so
+    two processes never delete the same directory under each other."""
+    if not out.exists() or (out / COMPLETE_MARKER).is_file():
+        return
+    trash = _private_dir(out, "trash")
+    try:
+        out.rename(trash / out.name)
+    except FileNotFoundError:
+        pass  # another process moved it first
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def _patch_config_json(path: pathlib.Path, shape: ModelShape) -> None:

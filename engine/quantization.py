@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization for the decode pool.
+"""Weight-only int8 quantization for the decode pool: the tensor math, nothing model-specific.
 
 A decode step reads every weight once per step for a handful of tokens: it is bound by weight
 bytes. Storing the projection weights as int8 with one fp32 scale per output channel halves
@@ -6,15 +6,14 @@ those bytes against bf16 (quarters them against fp32) at a small accuracy cost; 
 norms, the embedding table and the output head stay in the model dtype (the head is kept exact
 because its logits pick the tokens).
 
-Lifecycle: the model is built and loaded in its dtype as usual, then `quantize_model` replaces
-each decoder-layer `Linear`'s weight by (int8 weight, scale) in place; `Linear.forward` then
-multiplies through `engine.kernels`' int8 GEMV/GEMM on CPUs with AVX-512 (weights widened in
-registers, fp32 accumulation, the scale applied to the sum) and otherwise through torch
-(`F.linear(x, q.to(dtype)) * scale`, the weight-only scheme of gpt-fast).
-
 Scheme: symmetric, per output channel: scale[n] = max_k |w[n, k]| / 127, q = round(w / scale),
 so every weight is within scale/2 of its original value. FP8 W8A8 for the prefill pool
 (DESIGN) needs `torch._scaled_mm` on a GPU and is not built.
+
+This module is a leaf (torch only), so configuration code can `validate` a setting without
+loading the model code. Applying the scheme to a model is `engine.models.linear`'s job:
+`quantize_linears` swaps each `Linear`'s weight for `quantize_int8`'s pair in place, and
+`Linear` multiplies through the int8 kernels or `dequantize_int8`.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ QUANTIZATIONS = ("none", "int8")
 
 
 def validate(method: str | None) -> str:
+    """The canonical name of a quantization setting (None means "none"); ValueError otherwise."""
     m = "none" if method is None else method
     if m not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
@@ -34,21 +34,14 @@ def validate(method: str | None) -> str:
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]."""
     wf = w.float()
+    # The clamp keeps an all-zero row from dividing by zero (its q is then all zeros).
     scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 
 
-def quantize_model(model, method: str | None) -> int:
-    """Quantize the decoder layers' projections of `model` in place; returns how many."""
-    if validate(method) == "none":
-        return 0
-    from engine.models.llama import Linear
-
-    n = 0
-    for layer in model.model.layers:
-        for mod in layer.modules():
-            if isinstance(mod, Linear):
-                mod.quantize_int8()
-                n += 1
-    return n
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * scale[:, None] as a fresh fp32 [N, K] tensor on q's device."""
+    # copy_ into an empty fp32 tensor then scale in place: one allocation, no int8->fp32 temp.
+    w = torch.empty(q.shape, dtype=torch.float32, device=q.device).copy_(q)
+    return w.mul_(scale[:, None])

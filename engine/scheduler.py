@@ -1,17 +1,27 @@
-"""Token-budget scheduler: continuous batching with chunked prefill and preemption.
+"""Token-budget scheduler: continuous batching with chunked prefill, preemption, and requests
+whose prompt KV arrives from a peer.
 
 Each `schedule()` builds one step's plan under two limits, `max_num_batched_tokens` and
 `max_num_seqs`. Running sequences go first, in arrival order, so decodes never starve behind
 new prompts; each takes the tokens it still needs (1 when decoding, the rest of its prompt when
 prefilling in chunks). When the KV cache cannot grow a running sequence, the youngest running
 sequence is preempted (its blocks freed, to be recomputed later) until it can. Waiting
-sequences are admitted afterwards with whatever budget is left, prefix-cache hits first.
+sequences are admitted afterwards, in arrival order, with whatever budget is left.
+
+One admission policy for one block pool: a request whose prompt KV comes from a prefill peer
+(`Sequence.kv_from_peer`) waits in the same queue and is admitted by the same rules (a free
+sequence slot, the blocks its prompt needs, nothing preempted this step). Admitted, it takes
+blocks but no compute: it moves to REMOTE_KV (`fetching`) and is listed in `StepPlan.fetch`
+so the engine's connector starts the transfer. It counts against `max_num_seqs` while its KV
+is in flight, joins `running` when the KV landed (`add_running`), and from then on is an
+ordinary sequence (preemptible, recomputed from its tokens). A failed transfer sends it back
+to the head of the queue as a local prefill (`recompute`).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import SeqStatus, Sequence
@@ -32,6 +42,8 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq]
     preempted: list[Sequence]
+    # Admitted this step with KV to receive from a peer (blocks allocated, no compute).
+    fetch: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,6 +66,7 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.fetching: dict[str, Sequence] = {}  # REMOTE_KV: blocks held, KV in flight
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -61,16 +74,26 @@ class Scheduler:
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """Join a sequence whose KV is already in the cache (received from a peer)."""
+        """Join a sequence whose KV is now in the cache (received from a peer). From here it
+        is an ordinary sequence: preempted, it is recomputed here."""
+        self.fetching.pop(seq.request_id, None)
+        seq.kv_from_peer = False
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
     def has_work(self) -> bool:
+        """Something `schedule()` could act on (sequences whose KV is in flight are not)."""
         return bool(self.waiting or self.running)
 
     @property
+    def num_active(self) -> int:
+        """Sequences holding a batch slot: running, or admitted with their KV in flight."""
+        return len(self.running) + len(self.fetching)
+
+    @property
     def num_waiting_tokens(self) -> int:
-        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        """Prompt tokens still to compute here (KV that will arrive from a peer is not)."""
+        return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting if not s.kv_from_peer)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues (finish or abort); the caller frees its blocks."""
@@ -78,20 +101,40 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SeqStatus.REMOTE_KV:
+            self.fetching.pop(seq.request_id, None)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _reset(self, seq: Sequence) -> None:
+        """Back to the head of the queue with no KV: it is recomputed from its tokens."""
         self.bm.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
-        seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._reset(seq)
+        seq.num_preemptions += 1
         self.num_preemptions += 1
 
+    def recompute(self, seq: Sequence) -> None:
+        """A peer's KV did not arrive (the transfer is over): prefill the prompt here."""
+        self.fetching.pop(seq.request_id, None)
+        seq.kv_from_peer = False
+        self._reset(seq)
+
     def schedule(self) -> StepPlan:
+        plan = StepPlan([], [])
+        budget = self._schedule_running(plan)
+        # Admit new work only when nothing was preempted: otherwise we would thrash.
+        if not plan.preempted:
+            self._admit_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan) -> int:
+        """Give running sequences their tokens, preempting the youngest when blocks run out;
+        returns the token budget left."""
         budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
         queue = list(self.running)
         kept: list[Sequence] = []
         while queue:
@@ -103,34 +146,43 @@ class Scheduler:
             while not self.bm.can_append(seq.block_table, seq.num_computed_tokens + n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 self.bm.append_slots(seq.block_table, seq.num_computed_tokens + n)
-                scheduled.append(ScheduledSeq(seq, n))
+                plan.scheduled.append(ScheduledSeq(seq, n))
                 kept.append(seq)
                 budget -= n
         self.running = kept
+        return budget
 
-        # Admit new work only when nothing was preempted: otherwise we would thrash.
-        while (
-            self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        while self.waiting and self.num_active < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq.num_tokens, seq.token_ids):
-                break
+            if seq.kv_from_peer:
+                if not self.bm.can_allocate(seq.num_prompt_tokens):
+                    return
+                self.waiting.popleft()
+                # Fresh blocks, no prefix reuse: the peer's blocks are copied whole.
+                seq.block_table = self.bm.allocate_blocks(
+                    self.bm.blocks_needed(seq.num_prompt_tokens)
+                )
+                seq.status = SeqStatus.REMOTE_KV
+                self.fetching[seq.request_id] = seq
+                plan.fetch.append(seq)
+                continue
+            if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, seq.token_ids):
+                return
             if not self.chunked:
-                hits = len(self.bm._lookup(seq.token_ids)) * self.bm.block_size
-                if seq.num_tokens - hits > budget:
-                    break
+                if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids) > budget:
+                    return
             self.waiting.popleft()
             seq.block_table, seq.num_cached_tokens = self.bm.allocate(seq.token_ids)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.num_committed_blocks = seq.num_cached_tokens // self.bm.block_size
             seq.status = SeqStatus.RUNNING
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            scheduled.append(ScheduledSeq(seq, n))
+            plan.scheduled.append(ScheduledSeq(seq, n))
             self.running.append(seq)
             budget -= n
-        return StepPlan(scheduled, preempted)

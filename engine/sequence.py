@@ -4,8 +4,10 @@ States: WAITING (queued, no KV) -> RUNNING (has blocks; prefilling in chunks, th
 -> FINISHED. Preemption sends RUNNING back to WAITING with its blocks freed; it is recomputed
 from its tokens (prompt + output so far) on readmission. Two states serve the split pools:
 PREFILLED (prefill-only engine: first token sampled, blocks kept for the hand-off until
-`release`) and REMOTE_KV (decode engine: blocks reserved, KV arriving from a peer, until
-`commit_remote` or `abort`).
+`release`) and REMOTE_KV (decode engine: admitted by the scheduler, blocks allocated, KV
+arriving from a peer, until `commit_remote` -> RUNNING, `recompute_remote` -> WAITING as a
+local prefill, or `abort`). A `kv_from_peer` sequence waits in WAITING like any other until the
+scheduler admits it.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None
-    # Output tokens already sent elsewhere (a decode engine's first token came from prefill).
-    num_output_offset: int = 0
+    # Its prompt KV comes from a prefill peer (decode role) instead of being computed here.
+    kv_from_peer: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -15,8 +15,11 @@ rows, so contiguous block ids cost one descriptor per run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from kv_transfer.errors import TransferError
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,3 +79,20 @@ def chunk(block_ids: list[int], blocks_per_chunk: int) -> list[list[int]]:
     """Split a request's blocks into READs of at most `blocks_per_chunk` blocks, in order."""
     step = max(1, blocks_per_chunk)
     return [list(block_ids[i : i + step]) for i in range(0, len(block_ids), step)]
+
+
+def check_block_ids(request_id: str, ids: Any, num_blocks: int) -> tuple[int, ...]:
+    """Validate a caller's request id and block ids (ints in range, no repeats), or raise
+    TransferError naming the request; the same rules hold for held and read blocks."""
+    if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+        raise TransferError(str(request_id)[:256], "request_id must be a non-empty string")
+    if not isinstance(ids, list | tuple) or not ids:
+        raise TransferError(request_id, "block ids must be a non-empty list")
+    if any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in ids):
+        raise TransferError(request_id, "block ids must be ints")
+    out = tuple(int(b) for b in ids)
+    if min(out) < 0 or max(out) >= num_blocks:
+        raise TransferError(request_id, f"block ids must be in [0, {num_blocks})")
+    if len(set(out)) != len(out):
+        raise TransferError(request_id, "block ids must not repeat")
+    return out

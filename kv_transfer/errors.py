@@ -1,6 +1,13 @@
-"""Typed errors of the transfer layer: a refused handshake and a failed transfer."""
+"""Typed errors of the transfer layer (a refused handshake, a failed transfer), the compatibility
+field comparison their messages are built from, and the quiet cleanup step."""
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class KVTransferError(Exception):
@@ -34,10 +41,17 @@ def differing_fields(mine: dict[str, str], theirs: dict[str, str]) -> list[str]:
     return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
 
 
-def describe_differences(
-    fields: list[str], mine: dict[str, str], theirs: dict[str, str]
-) -> str:
+def describe_differences(fields: list[str], mine: dict[str, str], theirs: dict[str, str]) -> str:
     return "; ".join(
         f"{k}: {mine.get(k, '<missing>')} here, {theirs.get(k, '<missing>')} on peer"
         for k in fields
     )
+
+
+def quietly(step: Callable[[], Any]) -> None:
+    """Run one cleanup step (closing, releasing): a failure is logged at debug level and the
+    cleanup goes on, since one stuck resource must not leak all the others."""
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001 - NIXL and ZMQ raise their own error classes
+        log.debug("cleanup step failed: %s", e)

@@ -52,6 +52,7 @@ class TransferStats:
     expired_leases: int = 0  # sender: leases that ran out
     aborted: int = 0  # both: requests aborted by either side
     bytes_served: int = 0  # sender: bytes of blocks released after a completed READ
+    serve_seconds: float = 0.0  # sender: reader's first renew (READ started) to its completion
     rejected_frames: int = 0  # side-channel frames refused as malformed / oversized
     ignored_notifs: int = 0  # late or unknown NIXL notifications that were dropped
     handshakes: int = 0
@@ -60,6 +61,12 @@ class TransferStats:
     def gbps(self) -> float:
         """Achieved receive bandwidth in GB/s (1e9 bytes) over all completed READs."""
         return self.bytes_read / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def __add__(self, other: TransferStats) -> TransferStats:
+        """The counters of two parts of one agent (sender, receiver, side channel) summed."""
+        return TransferStats(
+            **{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__}
+        )
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}

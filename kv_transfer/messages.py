@@ -38,8 +38,10 @@ RENEW_STATUSES = ("ok", "done", "expired", "aborted", "unknown")
 
 def _check_str(name: str, value: object, max_len: int = 256, empty: bool = False) -> None:
     if not isinstance(value, str) or len(value) > max_len or (not empty and not value):
-        raise ValueError(f"{name} must be a {'' if empty else 'non-empty '}string of at most "
-                         f"{max_len} chars, got {value!r:.80}")
+        raise ValueError(
+            f"{name} must be a {'' if empty else 'non-empty '}string of at most "
+            f"{max_len} chars, got {value!r:.80}"
+        )
 
 
 def _check_int(name: str, value: object, lo: int = 0, hi: int = 1 << 62) -> None:
@@ -206,11 +208,21 @@ class HelloReply:
             raise ValueError("nixl_metadata must be bytes of at most 512 KiB")
         if self.mem_type not in ("DRAM", "VRAM"):
             raise ValueError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
-        for name in ("device_id", "num_blocks", "data_base", "block_bytes", "scales_base",
-                     "scale_block_bytes"):
+        for name in (
+            "device_id",
+            "num_blocks",
+            "data_base",
+            "block_bytes",
+            "scales_base",
+            "scale_block_bytes",
+        ):
             _check_int(name, getattr(self, name), 0, 1 << 64)
-        if self.ok and (not self.nixl_metadata or self.num_blocks < 1 or self.block_bytes < 1
-                        or self.data_base == 0):
+        if self.ok and (
+            not self.nixl_metadata
+            or self.num_blocks < 1
+            or self.block_bytes < 1
+            or self.data_base == 0
+        ):
             raise ValueError("an accepting HelloReply needs metadata, blocks and a base address")
 
 
@@ -244,9 +256,13 @@ class RenewReply:
     def __post_init__(self) -> None:
         _check_int("seq", self.seq)
         n = len(self.request_ids) if isinstance(self.request_ids, list) else -1
-        if not (0 <= n <= MAX_RIDS_PER_RENEW) or not isinstance(self.statuses, list) or not (
-            isinstance(self.remaining_s, list)
-        ) or len(self.statuses) != n or len(self.remaining_s) != n:
+        if (
+            not (0 <= n <= MAX_RIDS_PER_RENEW)
+            or not isinstance(self.statuses, list)
+            or not (isinstance(self.remaining_s, list))
+            or len(self.statuses) != n
+            or len(self.remaining_s) != n
+        ):
             raise ValueError("request_ids, statuses and remaining_s must be lists of equal length")
         for rid, st, rem in zip(self.request_ids, self.statuses, self.remaining_s, strict=True):
             _check_str("request_id", rid)

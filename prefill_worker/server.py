@@ -2,10 +2,13 @@
 
 Lifecycle of one request (SGLang-style, from this side):
   PrefillRequest arrives -> queued in the engine (role "prefill": chunked, token budget)
-  -> prefill step samples the first token -> TokenMessage(index 0) goes straight to the router
-     (TTFT never waits for the transfer)
-  -> blocks held under a lease for the decode worker (KVTransferAgent.hold) and KVReady sent
-     to it -> the decode worker READs them and notifies -> `Released(read_done)` -> blocks freed.
+  -> the prefill step samples the first token; the engine marks the request PREFILLED (blocks
+     kept) and calls this server's `on_prefilled` (the engine's KV connector,
+     engine/kv_connector.py): the blocks go under a lease for the decode worker
+     (KVTransferAgent.hold) and a KVReady is queued
+  -> the step's tokens are published (TokenMessage index 0 straight to the router: TTFT never
+     waits for the transfer), then the KVReady goes to the decode worker
+  -> the decode worker READs the blocks and notifies -> `Released(read_done)` -> blocks freed.
   The lease expiring, an abort from either side, or the decode peer dying also end in
   `Released`, and only then are the blocks freed (nothing is freed while a READ can land).
 A request whose first token already finishes it (max_tokens=1, EOS) is never handed off.
@@ -16,9 +19,10 @@ from __future__ import annotations
 import logging
 
 from engine.engine_server import EngineServer
+from engine.kv_connector import Handoff
 from engine.llm_engine import LLMEngine
-from engine.outputs import TokenOutput
 from engine.protocol import PrefillRequest
+from engine.roles import PREFILL
 from engine.sequence import SeqStatus
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.errors import TransferError
@@ -38,8 +42,12 @@ class PrefillServer(EngineServer):
         max_frame_bytes: int = 16 << 20,
     ):
         self.agent = agent
-        super().__init__(worker_id, "prefill", engine, bind_host, max_frame_bytes)
+        super().__init__(worker_id, PREFILL, engine, bind_host, max_frame_bytes)
+        engine.set_kv_connector(self)
         self.pending: dict[str, PrefillRequest] = {}  # in the engine or held for a peer
+        # Filled by on_prefilled during a step, sent after the step's tokens are published.
+        self.outbox: list[tuple[str, KVReady]] = []
+        self.failed_handoffs: list[tuple[PrefillRequest, str]] = []
         self.num_handoffs = 0
         self.released_reasons: dict[str, int] = {}
 
@@ -55,46 +63,52 @@ class PrefillServer(EngineServer):
         else:
             super().handle(msg)
 
-    def publish(self, outputs: list[TokenOutput]) -> None:
-        super().publish(outputs)  # the first token reaches the router before any hand-off
-        for out in outputs:
-            req = self.pending.get(out.request_id)
-            if req is None:
-                continue
-            if out.finish_reason is not None:
-                self.pending.pop(out.request_id, None)
-                continue
-            self._hand_off(req, out.token_ids[0])
-
-    def _hand_off(self, req: PrefillRequest, first_token: int) -> None:
-        rid = req.request_id
-        self.reply_to.pop(rid, None)  # the decode worker streams the rest
-        blocks = self.engine.prefilled_blocks(rid)
+    # -- the engine's KV connector (prefill half) ---------------------------------------------
+    def on_prefilled(self, handoff: Handoff) -> bool:
+        req = self.pending.get(handoff.request_id)
+        if req is None:
+            return False
         try:
-            deadline = self.agent.hold(rid, blocks, req.decode_worker_id)
+            deadline = self.agent.hold(handoff.request_id, handoff.block_ids, req.decode_worker_id)
         except TransferError as e:
-            log.error("%s: cannot hold the KV of %s: %s", self.worker_id, rid, e)
-            self.engine.release(rid)
-            self.pending.pop(rid, None)
-            self.send_error(req.reply_to, rid, f"KV hand-off failed: {e}")
-            return
+            log.error("%s: cannot hold the KV of %s: %s", self.worker_id, req.request_id, e)
+            self.pending.pop(req.request_id, None)
+            self.failed_handoffs.append((req, f"KV hand-off failed: {e}"))
+            return False
         # From here the lease owns the blocks: they are freed only through a Released event.
-        self.replies.send(
-            req.decode_endpoint,
-            KVReady(
-                request_id=rid,
-                prompt_token_ids=req.prompt_token_ids,
-                sampling=req.sampling,
-                first_token=first_token,
-                reply_to=req.reply_to,
-                prefill_worker_id=self.worker_id,
-                sender=self.agent.agent_metadata(),
-                block_ids=blocks,
-                num_tokens=len(req.prompt_token_ids),
-                lease_deadline=deadline,
-            ),
+        ready = KVReady(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling,
+            first_token=handoff.first_token,
+            reply_to=req.reply_to,
+            prefill_worker_id=self.worker_id,
+            sender=self.agent.agent_metadata(),
+            block_ids=handoff.block_ids,
+            num_tokens=handoff.num_tokens,
+            lease_deadline=deadline,
         )
-        self.num_handoffs += 1
+        self.outbox.append((req.decode_endpoint, ready))
+        return True
+
+    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+        raise RuntimeError("a prefill engine never receives KV")
+
+    def after_step(self) -> None:
+        # The first tokens are out (publish ran before this hook); now the hand-offs.
+        for endpoint, ready in self.outbox:
+            self.reply_to.pop(ready.request_id, None)  # the decode worker streams the rest
+            self.replies.send(endpoint, ready)
+            self.num_handoffs += 1
+        self.outbox.clear()
+        for req, why in self.failed_handoffs:
+            self.reply_to.pop(req.request_id, None)
+            self.send_error(req.reply_to, req.request_id, why)
+        self.failed_handoffs.clear()
+
+    def finished(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)  # finished by its first token: no hand-off
+        super().finished(request_id)
 
     def has_pending_work(self) -> bool:
         return bool(self.pending)
@@ -110,6 +124,7 @@ class PrefillServer(EngineServer):
         seq = self.engine.seqs.get(request_id)
         if seq is not None and seq.status == SeqStatus.PREFILLED:
             self.agent.abort(request_id)  # blocks come back through a Released event
+            self.num_aborts += 1
             return
         self.pending.pop(request_id, None)
         super().abort(request_id)
@@ -122,7 +137,7 @@ class PrefillServer(EngineServer):
             "expired_leases": st.expired_leases,
             "transfer_failures": st.failures,
             "transfer_bytes": st.bytes_served,
-            "transfer_seconds": 0.0,
+            "transfer_seconds": st.serve_seconds,
             "released": dict(self.released_reasons),
         }
 

@@ -1,9 +1,19 @@
-"""Router settings: one validated dataclass, filled from CLI flags or by the cluster layer."""
+"""Router settings: one validated dataclass, filled from CLI flags or by the cluster layer.
+
+Each field's default and help are written once, here; `add_arguments` turns every field into a
+`--field-name` flag (engine.config_flags) and `config_from_args` reads them back.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+from engine.config_flags import add_flags, setting, values_from_args
+
+_WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
 
 
 @dataclass(slots=True)
@@ -15,28 +25,42 @@ class RouterConfig:
     `bind_host`, and must be set when binding a wildcard address such as 0.0.0.0.
     """
 
-    model_path: str
-    served_model_name: str | None = None  # defaults to model_path
-    host: str = "127.0.0.1"  # HTTP listen address
-    port: int = 8000
-    bind_host: str = "127.0.0.1"  # ZMQ PULL (token sink) bind address
-    zmq_port: int = 0
-    advertise_host: str | None = None
-    api_key: str | None = None
-    max_model_len: int | None = None  # caps the model's max_position_embeddings
-    disagg_threshold: int = 256  # prompts with fewer tokens are prefilled on the decode worker
-    max_body_bytes: int = 8 * 1024 * 1024
-    max_frame_bytes: int = 16 * 1024 * 1024
-    token_gap_timeout_s: float = 10.0  # an index gap older than this fails the request
-    request_timeout_s: float = 600.0  # whole-request limit (first token to last)
-    refresh_interval_s: float = 0.5  # worker directory snapshot period
-    send_timeout_s: float = 5.0  # a PUSH that cannot be queued within this fails the request
+    model_path: str = setting(help="local Hugging Face model directory")
+    served_model_name: str | None = setting(None, "model name in the API; none: the model path")
+    host: str = setting("127.0.0.1", "HTTP listen address")
+    port: int = setting(8000, "HTTP port (0: any free port)")
+    bind_host: str = setting("127.0.0.1", "ZMQ token sink bind address")
+    zmq_port: int = setting(0, "ZMQ token sink port (0: any free port)")
+    advertise_host: str | None = setting(
+        None, "host workers send tokens to; none: the bind host (set it for a wildcard bind)"
+    )
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'")
+    max_model_len: int | None = setting(None, "cap the model's context window")
+    disagg_threshold: int = setting(
+        256, "prompts with fewer tokens are prefilled on the decode worker"
+    )
+    max_body_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body (413 above)")
+    max_frame_bytes: int = setting(16 * 1024 * 1024, "largest ZMQ frame the token sink accepts")
+    token_gap_timeout_s: float = setting(
+        10.0, "an index gap in a token stream older than this fails the request"
+    )
+    request_timeout_s: float = setting(600.0, "whole-request limit, arrival to last token")
+    refresh_interval_s: float = setting(0.5, "worker directory snapshot period")
+    send_timeout_s: float = setting(
+        5.0, "a request that cannot be queued to a worker within this fails"
+    )
     # Routing policy knobs (see router/policy.py).
-    affinity_prefix_tokens: int = 64
-    affinity_slack_tokens: int = 2048
-    decode_batch_norm: int = 32
-    default_block_size: int = 16
-    completion_default_max_tokens: int = 16
+    affinity_prefix_tokens: int = setting(
+        64, "prompt tokens hashed to pick a prefill worker with the prefix cached"
+    )
+    affinity_slack_tokens: int = setting(
+        2048, "queued prefill tokens the affine worker may exceed the least loaded one by"
+    )
+    decode_batch_norm: int = setting(32, "running requests that weigh as much as a full KV cache")
+    default_block_size: int = setting(16, "KV block size assumed for workers that report none")
+    completion_default_max_tokens: int = setting(
+        16, "max_tokens of a /v1/completions request that gives none"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -50,7 +74,7 @@ class RouterConfig:
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be an int in [0, 65535], got {value!r}")
         if self.advertise_host is None:
-            if self.bind_host in ("0.0.0.0", "*", "::"):
+            if self.bind_host in _WILDCARD_HOSTS:
                 raise ValueError(
                     f"bind_host {self.bind_host!r} is a wildcard: set advertise_host to the "
                     "address workers should send tokens to"
@@ -60,6 +84,9 @@ class RouterConfig:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
         positive = (
             "max_body_bytes",
             "max_frame_bytes",
@@ -92,43 +119,15 @@ class RouterConfig:
         )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Router flags for a CLI (`tandem serve`, `python -m router`); the model path is the
-    caller's own flag, passed to `config_from_args`."""
-    d = RouterConfig.__dataclass_fields__
-    g = parser.add_argument_group("router")
-    g.add_argument("--host", default=d["host"].default, help="HTTP listen address")
-    g.add_argument("--port", type=int, default=d["port"].default, help="HTTP port (0: any)")
-    g.add_argument("--served-model-name", default=None, help="model name in the API")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    g.add_argument("--bind-host", default=d["bind_host"].default, help="ZMQ token sink address")
-    g.add_argument("--zmq-port", type=int, default=0, help="ZMQ token sink port (0: any)")
-    g.add_argument("--advertise-host", default=None, help="host workers send tokens to")
-    g.add_argument("--max-model-len", type=int, default=None, help="cap the context window")
-    g.add_argument(
-        "--disagg-threshold",
-        type=int,
-        default=d["disagg_threshold"].default,
-        help="prompts shorter than this are prefilled on the decode worker",
-    )
-    g.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"].default)
-    g.add_argument("--token-gap-timeout-s", type=float, default=d["token_gap_timeout_s"].default)
-    g.add_argument("--request-timeout-s", type=float, default=d["request_timeout_s"].default)
+def add_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str] = ()) -> None:
+    """One `--field-name` flag per RouterConfig field, in a "router" group. The model path is
+    the caller's own argument (passed to `config_from_args`); `exclude` leaves out fields the
+    caller sets itself."""
+    add_flags(parser, RouterConfig, title="router", exclude={"model_path", *exclude})
 
 
-def config_from_args(args: argparse.Namespace, model_path: str) -> RouterConfig:
-    return RouterConfig(
-        model_path=model_path,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        bind_host=args.bind_host,
-        zmq_port=args.zmq_port,
-        advertise_host=args.advertise_host,
-        api_key=args.api_key,
-        max_model_len=args.max_model_len,
-        disagg_threshold=args.disagg_threshold,
-        max_body_bytes=args.max_body_bytes,
-        token_gap_timeout_s=args.token_gap_timeout_s,
-        request_timeout_s=args.request_timeout_s,
-    )
+def config_from_args(args: argparse.Namespace, model_path: str, **overrides: Any) -> RouterConfig:
+    """A RouterConfig from parsed flags; a field with no flag in `args` keeps its default and
+    `overrides` win over both."""
+    values = values_from_args(RouterConfig, args, exclude={"model_path"})
+    return RouterConfig(**{**values, "model_path": model_path, **overrides})

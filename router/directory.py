@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from engine.protocol import WorkerLoad
-
-ROLES = ("prefill", "decode", "colocated")
+from engine.roles import check_role
 
 
 @dataclass(slots=True)
@@ -22,31 +21,24 @@ class WorkerInfo:
     """One worker as the router sees it.
 
     `request_endpoint` is the ZMQ endpoint the worker PULLs requests from (the router PUSHes
-    there). `handoff_endpoint` is where a prefill worker should send the KV hand-off for
-    requests decoded by this worker; empty means "same as request_endpoint".
+    there). A decode worker takes KV hand-offs from prefill workers on the same endpoint.
     """
 
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: str  # one of engine.roles.ROLES
     request_endpoint: str
     load: WorkerLoad
-    handoff_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError("worker_id must be a non-empty string")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        check_role(self.role)
         if not isinstance(self.request_endpoint, str) or "://" not in self.request_endpoint:
             raise ValueError(
                 f"request_endpoint must be a ZMQ endpoint, got {self.request_endpoint!r}"
             )
         if not isinstance(self.load, WorkerLoad):
             raise TypeError("load must be an engine.protocol.WorkerLoad")
-
-    @property
-    def decode_endpoint(self) -> str:
-        return self.handoff_endpoint or self.request_endpoint
 
 
 @runtime_checkable

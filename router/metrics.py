@@ -4,7 +4,8 @@ Latency histograms and request/decision counters are updated by the server as re
 Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read at scrape time
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
-transfer_bytes, transfer_seconds, transfer_failures, expired_leases) and are exported as
+transfer_bytes, transfer_seconds, transfer_failures, expired_leases, remote_prefills,
+recomputed, handoffs, aborts; see `_TRANSFER_KEYS`) and are exported as
 counters with a worker label; a restarted worker restarts its series, as Prometheus expects.
 """
 
@@ -15,7 +16,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.roles import COLOCATED, DECODE, PREFILL
 from router.directory import WorkerInfo
+from router.policy import LOCAL, REMOTE
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -53,6 +56,18 @@ _TRANSFER_KEYS = (
     ("bad_frames", "tandem_worker_bad_frames", "Malformed or oversized frames a worker dropped"),
     ("preemptions", "tandem_preemptions", "Sequences preempted (recomputed) for lack of KV"),
     ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache"),
+    (
+        "remote_prefills",
+        "tandem_kv_remote_prefills",
+        "Requests a decode worker served from KV received from a prefill worker",
+    ),
+    (
+        "recomputed",
+        "tandem_kv_recomputes",
+        "Requests a decode worker recomputed because their KV could not be fetched",
+    ),
+    ("handoffs", "tandem_kv_handoffs", "Requests a prefill worker handed to a decode worker"),
+    ("aborts", "tandem_worker_aborts", "Requests a worker dropped on an abort"),
 )
 
 
@@ -84,7 +99,7 @@ class WorkerCollector:
             "usage": GaugeMetricFamily(
                 "tandem_kv_usage_ratio", "Fraction of KV blocks in use", labels=labels
             ),
-            "prefill": GaugeMetricFamily(
+            "queued_prefill": GaugeMetricFamily(
                 "tandem_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
             ),
         }
@@ -92,7 +107,8 @@ class WorkerCollector:
         counters = {
             key: CounterMetricFamily(name, doc, labels=labels) for key, name, doc in _TRANSFER_KEYS
         }
-        per_role: dict[str, int] = {"prefill": 0, "decode": 0, "colocated": 0}
+        # Every role gets a sample (0 when empty), in a fixed order.
+        per_role: dict[str, int] = {PREFILL: 0, DECODE: 0, COLOCATED: 0}
         for w in workers:
             load = w.load
             lv = [w.worker_id, w.role]
@@ -104,7 +120,7 @@ class WorkerCollector:
             total = load.num_total_blocks
             used = (total - load.num_free_blocks) / total if total > 0 else 0.0
             gauges["usage"].add_metric(lv, used)
-            gauges["prefill"].add_metric(lv, load.queued_prefill_tokens)
+            gauges["queued_prefill"].add_metric(lv, load.queued_prefill_tokens)
             extra = load.extra or {}
             for key, _, _ in _TRANSFER_KEYS:
                 value = extra.get(key)
@@ -163,6 +179,6 @@ class RouterMetrics:
         self.inflight = Gauge("tandem_inflight_requests", "Requests in flight", registry=r)
         for status in ("success", "client_error", "server_error", "cancelled"):
             self.requests.labels(status=status)
-        for path in ("local", "remote"):
+        for path in (LOCAL, REMOTE):
             self.disagg.labels(path=path)
         r.register(WorkerCollector(snapshot))

@@ -154,6 +154,22 @@ class RequestParser:
     def _build(
         self, kind: str, body: dict, prompt_ids: list[int], max_tokens: int
     ) -> ParsedRequest:
+        # Checks run in a fixed order so a body with several mistakes always names the same one.
+        sampling = self._sampling_fields(body)
+        stop = self._stop_strings(body.get("stop"))
+        stream, include_usage = self._stream_flags(body)
+        return ParsedRequest(
+            kind=kind,
+            model=self.served_model_name,
+            prompt_ids=prompt_ids,
+            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+            stop=stop,
+            stream=stream,
+            include_usage=include_usage,
+        )
+
+    def _sampling_fields(self, body: dict) -> dict[str, Any]:
+        """The validated SamplingParams fields other than max_tokens."""
         temperature = body.get("temperature")
         if temperature is None:
             temperature = 1.0
@@ -185,46 +201,38 @@ class RequestParser:
         if not isinstance(stop_token_ids, list):
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         self._check_token_ids(stop_token_ids, "stop_token_ids")
-        stop = self._stop_strings(body.get("stop"))
+        return {
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "top_k": top_k,
+            "seed": seed,
+            "stop_token_ids": tuple(stop_token_ids),
+            "ignore_eos": ignore_eos,
+        }
+
+    @staticmethod
+    def _stream_flags(body: dict) -> tuple[bool, bool]:
+        """(stream, stream_options.include_usage)."""
         stream = body.get("stream", False)
         if stream is None:
             stream = False
         if not isinstance(stream, bool):
             raise bad_request("stream must be a boolean", "stream")
-        include_usage = False
         opts = body.get("stream_options")
-        if opts is not None:
-            if not isinstance(opts, dict):
-                raise bad_request("stream_options must be an object", "stream_options")
-            if not stream:
-                raise bad_request(
-                    "stream_options is only allowed when stream is true", "stream_options"
-                )
-            include_usage = opts.get("include_usage", False)
-            if include_usage is None:
-                include_usage = False
-            if not isinstance(include_usage, bool):
-                raise bad_request(
-                    "stream_options.include_usage must be a boolean", "stream_options"
-                )
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=float(temperature),
-            top_p=float(top_p),
-            top_k=top_k,
-            seed=seed,
-            stop_token_ids=tuple(stop_token_ids),
-            ignore_eos=ignore_eos,
-        )
-        return ParsedRequest(
-            kind=kind,
-            model=self.served_model_name,
-            prompt_ids=prompt_ids,
-            sampling=sampling,
-            stop=stop,
-            stream=stream,
-            include_usage=include_usage,
-        )
+        if opts is None:
+            return stream, False
+        if not isinstance(opts, dict):
+            raise bad_request("stream_options must be an object", "stream_options")
+        if not stream:
+            raise bad_request(
+                "stream_options is only allowed when stream is true", "stream_options"
+            )
+        include_usage = opts.get("include_usage", False)
+        if include_usage is None:
+            include_usage = False
+        if not isinstance(include_usage, bool):
+            raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
+        return stream, include_usage
 
     def _max_tokens(
         self, body: dict, names: tuple[str, ...], prompt_len: int, default_cap: int | None

@@ -23,6 +23,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from engine.roles import DECODING_ROLES, PREFILL
 from router.directory import WorkerInfo
 
 LOCAL = "local"
@@ -88,11 +89,11 @@ class LoadView:
 
     @property
     def decode_workers(self) -> list[WorkerState]:
-        return [s for s in self.states.values() if s.info.role in ("decode", "colocated")]
+        return [s for s in self.states.values() if s.info.role in DECODING_ROLES]
 
     @property
     def prefill_workers(self) -> list[WorkerState]:
-        return [s for s in self.states.values() if s.info.role == "prefill"]
+        return [s for s in self.states.values() if s.info.role == PREFILL]
 
     def note_dispatch(self, plan: RoutePlan, prompt_len: int) -> None:
         dec = self.states.get(plan.decode.worker_id)

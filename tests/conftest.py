@@ -1,4 +1,4 @@
-"""Shared fixtures: seeded tiny checkpoints made once per session with `tandem make-model`."""
+"""Shared fixtures: seeded tiny checkpoints, made once per session by `cached_model`."""
 
 from __future__ import annotations
 
@@ -17,15 +17,13 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def make_tiny_model(tmp_path_factory):
-    from engine.make_model import make_model
+    """`get(arch, preset, seed) -> Path`: the checkpoint, made once per session in pytest's
+    temporary directory (never the user's cache, so a test cannot read a stale model)."""
+    from engine.make_model import cached_model
 
-    made: dict[tuple[str, str, int], Path] = {}
+    root = tmp_path_factory.mktemp("models")
 
     def get(arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
-        key = (arch, preset, seed)
-        if key not in made:
-            out = tmp_path_factory.mktemp(f"{arch}-{preset}-{seed}")
-            made[key] = Path(make_model(out, arch=arch, preset=preset, seed=seed))
-        return made[key]
+        return cached_model(arch, preset, seed, cache_dir=root)
 
     return get

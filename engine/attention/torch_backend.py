@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache
 
 
 @dataclass(slots=True)
-class _DecodePlan:
+class DecodePlan:
     """What every layer's batched decode needs, derived once per step (not once per layer)."""
 
     rows: torch.Tensor | None  # query rows of the decodes; None when they are rows 0..n-1
@@ -43,7 +43,7 @@ class TorchAttentionBackend:
         self._kernel = kernels.get("paged_decode") if cpu_kernel else None
         self._cache_write = kernels.get("cache_write") if cpu_kernel else None
         self._plan_meta: AttentionMetadata | None = None
-        self._plan: _DecodePlan | None = None
+        self._plan: DecodePlan | None = None
         self._blocks: torch.Tensor | None = None  # the step's slots split for KVCache.write_at
         self._offsets: torch.Tensor | None = None
 
@@ -70,7 +70,7 @@ class TorchAttentionBackend:
             self._prefill_one(layer, i, q, k, v, out, cache, meta)
         return out
 
-    def _decode_plan(self, meta: AttentionMetadata, bs: int, device) -> _DecodePlan | None:
+    def _decode_plan(self, meta: AttentionMetadata, bs: int, device) -> DecodePlan | None:
         if meta is self._plan_meta:
             return self._plan
         self._blocks, self._offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
@@ -94,14 +94,14 @@ class TorchAttentionBackend:
                 if self.sliding_window is not None:
                     m &= pos[None, :] > (lens_t[:, None] - 1 - self.sliding_window)
                 mask = m[:, None, None, :]
-            plan = _DecodePlan(
+            plan = DecodePlan(
                 rows=None if contiguous else torch.tensor(rows, device=device),
                 tables=tables, ctx=lens[0], mask=mask, lens=meta.decode_context_lens,
             )
         self._plan_meta, self._plan = meta, plan
         return plan
 
-    def _decode(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+    def _decode(self, layer, qd, cache: KVCache, plan: DecodePlan) -> torch.Tensor:
         """qd: [b, heads, head_dim], one query per sequence. Returns the same shape."""
         dt = qd.dtype
         if qd.device.type == "cpu":
@@ -118,7 +118,7 @@ class TorchAttentionBackend:
         )
         return o.squeeze(2)
 
-    def _decode_cpu(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+    def _decode_cpu(self, layer, qd, cache: KVCache, plan: DecodePlan) -> torch.Tensor:
         if self._kernel is not None:  # reads the blocks in place: no gather, no copies
             k, v, ks, vs = cache.layer_views(layer)
             if qd.dtype not in (torch.float32, torch.bfloat16):  # the kernel takes these two
@@ -128,7 +128,7 @@ class TorchAttentionBackend:
             )
         return self._decode_cpu_gather(layer, qd, cache, plan)
 
-    def _decode_cpu_gather(self, layer, qd, cache: KVCache, plan: _DecodePlan) -> torch.Tensor:
+    def _decode_cpu_gather(self, layer, qd, cache: KVCache, plan: DecodePlan) -> torch.Tensor:
         """Decode attention as two fp32 batched matmuls over gathered K/V. On CPU, SDPA's
         one-query-per-sequence case is slow (and slower still in bf16, which these CPUs
         emulate): measured 2-7x."""

@@ -19,7 +19,7 @@ exact in fp32), up to summation order.
   activation rows, 16 fp32 accumulators, one widening per weight vector for 4 rows, the 16
   horizontal sums in 15 adds). ~70-100 GFLOP/s per core against ~55-60 for fp32 oneDNN at 16
   rows; at hundreds of rows oneDNN's fp32 GEMM on widened copies is faster (see
-  `engine.models.llama.Linear`).
+  `engine.models.linear.Linear`).
 
 Built by `engine.kernels` (one extension for all CPU kernels); not compiled where the compiler
 targets no AVX-512 (the sources are guarded by `__AVX512F__`).

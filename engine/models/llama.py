@@ -4,123 +4,29 @@ Inputs are [num_tokens] ids and positions for all sequences of a step, concatena
 attention backend splits them per sequence with the step's metadata. Parameter names follow
 Hugging Face's except that q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`): one GEMM
 instead of three or two. `packed_modules` tells the loader how to fill the fused weights.
+The projections are `engine.models.linear.Linear` (CPU GEMM routing, int8 weights).
 """
 
 from __future__ import annotations
-
-import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.models.linear import Linear, cpu_has_native_bf16_gemm, quantize_linears
 from engine.models.rope import rope_tables, rotate_half
 
-# Row counts that pick the bf16 GEMM on CPUs without bf16 instructions (see Linear); measured
-# on the project's 2-core box (`python benchmarks/cpu_kernels.py`).
-GEMV_MAX_ROWS = 3  # up to here: bandwidth-bound GEMV, one pass over the weight
-TILED_MAX_ROWS = 64  # up to here: the 4x4-tiled kernel; beyond it: oneDNN fp32 on widened copies
 # Steps of up to this many tokens use the fused elementwise ops (engine.kernels.fused): they
 # save per-op overhead, which matters for decode; the scalar loops lose to torch's vectorised
 # ops on prefill-sized inputs.
 FUSED_MAX_ROWS = 64
 
 
-def _fused(ops, rows: int):
+def _fused(ops: kernels.CpuOps | None, rows: int) -> kernels.CpuOps | None:
     return ops if ops is not None and rows <= FUSED_MAX_ROWS else None
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16_gemm() -> bool:
-    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); unknown -> True."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return bool(flags & {"avx512_bf16", "amx_bf16"})
-    return True
-
-
-def _widen(t: torch.Tensor) -> torch.Tensor:
-    # copy_ into a fresh fp32 tensor: measured ~5x faster than t.float() for bf16 on CPU.
-    return torch.empty(t.shape, dtype=torch.float32).copy_(t)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that routes bf16 GEMMs around the slow paths of CPUs with no bf16 instructions.
-
-    Without AVX512-BF16/AMX, torch's bf16 GEMM (oneDNN's emulation) runs several times slower
-    than fp32. When enabled (`CausalLM.use_cpu_bf16_kernels`), by the number of rows:
-    - up to GEMV_MAX_ROWS: `gemv` (engine.kernels.linear) streams the bf16 weight once;
-    - up to TILED_MAX_ROWS: `tiled_linear`, the 4x4-tiled kernel (decode batches, small chunks);
-    - beyond: x and the weight are widened to fp32 and multiplied by oneDNN's fp32 GEMM, which
-      is faster than the tiled kernel once the widening is amortised over hundreds of rows.
-    All compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
-    fp32), up to summation order, and round the result to bf16. A missing kernel falls through
-    to the next path. `cpu_ops` None disables the routing (GPU, fp32, CPUs with native bf16).
-
-    After `quantize_int8` (engine.quantization) the weight is int8 with per-channel scales and
-    `_forward_int8` runs instead: the same kernels with int8 weights on CPU, dequantized fp32
-    GEMMs for prefill-sized inputs, torch's `F.linear(x, q.to(dtype)) * scale` elsewhere.
-    """
-
-    cpu_ops = None  # engine.kernels.CpuOps when routing is on
-    widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
-    # After quantize_int8: buffers qweight (int8 [N, K]) and wscale (fp32 [N]); weight is None.
-    quantized = False
-
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 + per-channel scales (engine.quantization)."""
-        from engine.quantization import quantize_int8
-
-        q, scale = quantize_int8(self.weight.data)
-        del self.weight
-        self.register_buffer("qweight", q)
-        self.register_buffer("wscale", scale)
-        self.weight = None  # nn.Linear's attribute; the int8 buffers replace it
-        self.quantized = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized:
-            return self._forward_int8(x)
-        ops = self.cpu_ops
-        if ops is None and not self.widen_fallback:
-            return F.linear(x, self.weight, self.bias)
-        m = x.shape[0] if x.dim() == 2 else -1
-        if ops is not None and 0 < m <= TILED_MAX_ROWS:
-            if m <= GEMV_MAX_ROWS and ops.gemv is not None:
-                return ops.gemv(x, self.weight, None, self.bias)
-            if ops.tiled_linear is not None:
-                return ops.tiled_linear(x, self.weight, None, self.bias)
-        bias = None if self.bias is None else _widen(self.bias)
-        return F.linear(_widen(x), _widen(self.weight), bias).to(x.dtype)
-
-    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        ops = self.int8_ops
-        m = x.shape[0] if x.dim() == 2 else -1
-        if ops is not None and 0 < m <= TILED_MAX_ROWS and x.dtype in _KERNEL_DTYPES:
-            op = ops.gemv if m <= GEMV_MAX_ROWS else ops.tiled_linear
-            return op(x, self.qweight, self.wscale, self.bias)
-        if x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES:
-            # Prefill-sized on CPU: dequantize once per call and use oneDNN's fp32 GEMM.
-            w = torch.empty(self.qweight.shape, dtype=torch.float32).copy_(self.qweight)
-            w.mul_(self.wscale[:, None])
-            bias = None if self.bias is None else _widen(self.bias)
-            return F.linear(_widen(x), w, bias).to(x.dtype)
-        # GPU or other dtypes: int8 values are exact in any float dtype; scale the product.
-        y = F.linear(x, self.qweight.to(x.dtype)) * self.wscale.to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-    int8_ops = None  # engine.kernels.CpuOps for int8 weights (CPU with AVX-512)
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
@@ -155,9 +61,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        )
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
@@ -262,9 +168,7 @@ class CausalLM(nn.Module):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
-            cos, sin = rope_tables(
-                cfg.hf_config, cfg.architecture, cfg.max_position, cfg.head_dim
-            )
+            cos, sin = rope_tables(cfg.hf_config, cfg.architecture, cfg.max_position, cfg.head_dim)
         finally:
             torch.set_default_dtype(prev)
         cos, sin = cos.to(self.lm_head.weight.device), sin.to(self.lm_head.weight.device)
@@ -277,12 +181,10 @@ class CausalLM(nn.Module):
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
 
     def quantize(self, method: str | None) -> int:
-        """Weight-only quantization of the decoder layers (engine.quantization); on CPU the
-        int8 layers use the compiled kernels when they are available. Returns layers done."""
-        from engine import kernels
-        from engine.quantization import quantize_model
-
-        n = quantize_model(self, method)
+        """Weight-only quantization of the decoder layers' projections (engine.quantization;
+        the head and embeddings stay exact); on CPU the int8 layers use the compiled kernels
+        when they are available. Returns how many projections were quantized."""
+        n = quantize_linears(self.model.layers, method)
         if n and self.lm_head.weight.device.type == "cpu":
             ops = kernels.ops()
             if ops is not None and ops.tiled_linear is not None:
@@ -294,8 +196,6 @@ class CausalLM(nn.Module):
     def use_fused_cpu_ops(self, enabled: bool) -> None:
         """Norms, RoPE and SiLU-and-multiply through engine.kernels' fused ops (CPU only: one
         call instead of several small aten ops each). Off, or without the kernels: torch."""
-        from engine import kernels
-
         ops = kernels.ops() if enabled else None
         if ops is not None and ops.add_rms_norm is None:
             ops = None
@@ -306,8 +206,6 @@ class CausalLM(nn.Module):
     def use_cpu_bf16_kernels(self, enabled: bool) -> None:
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
         `Linear`); without the kernels, only the widened fp32 path is used."""
-        from engine import kernels
-
         ops = kernels.ops() if enabled else None
         for m in self.modules():
             if isinstance(m, Linear):

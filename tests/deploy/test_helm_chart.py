@@ -1,5 +1,8 @@
 """The Helm chart, rendered by the real helm binary and checked against Kubernetes' schemas,
-the KubeRay CRD, Ray's own autoscaler and the `tandem serve` contract."""
+the KubeRay CRD, Ray's own autoscaler and the real `tandem serve` parser.
+
+A check that loops over rendered objects first asserts it has the objects it expects, so an
+empty render or a renamed group fails instead of passing on nothing."""
 
 from __future__ import annotations
 
@@ -26,14 +29,18 @@ from deploy_helpers import (
     VALUE_SETS,
     Helm,
     find,
+    given_flags,
     one,
     parse_serve_args,
     serve_argv,
+    serve_defaults,
 )
 
 # Kinds from CRDs kubernetes-validate has no schema for. RayCluster is checked against the
 # KubeRay CRD in shared/; the Prometheus Operator kinds by the structural test below.
 CRD_KINDS = {"RayCluster", "ServiceMonitor", "PrometheusRule"}
+# The RayCluster's groups: the head and one worker group per pool.
+POOLS = ("prefill", "decode")
 
 
 def _values(name: str) -> dict[str, Any]:
@@ -53,7 +60,10 @@ def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
 
 
 def _groups(rc: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    """The worker groups by name; fails unless they are exactly the two pools."""
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert sorted(groups) == sorted(POOLS), sorted(groups)
+    return groups
 
 
 def _env(container: dict[str, Any]) -> dict[str, Any]:
@@ -91,6 +101,7 @@ def test_lint_strict(helm: Helm, value_set: str) -> None:
         args += ["-f", f]
     proc = helm.run("lint", "--strict", "--kube-version", K8S_VERSION, CHART, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout, proc.stdout
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
 
 
@@ -190,6 +201,7 @@ def test_prometheus_operator_objects_are_well_formed(rendered: dict[str, list[di
     assert sm["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     port_names = {p["name"] for p in svc["spec"]["ports"]}
     secret = one(manifests, "Secret", "-api-key")
+    assert sm["spec"]["endpoints"], "the ServiceMonitor scrapes nothing"
     for ep in sm["spec"]["endpoints"]:
         assert set(ep) <= {"port", "path", "interval", "authorization"}
         assert ep["port"] in port_names and ep["path"] == "/metrics"
@@ -200,10 +212,14 @@ def test_prometheus_operator_objects_are_well_formed(rendered: dict[str, list[di
 
     metrics_py = REPO / "router" / "metrics.py"
     router_metrics = set(re.findall(r'"(tandem_[a-z_]+)"', metrics_py.read_text()))
+    assert router_metrics, f"no tandem_* metric names found in {metrics_py}"
     rule = one(manifests, "PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"], "the PrometheusRule has no groups"
+    series_checked = 0
     for group in rule["spec"]["groups"]:
         assert set(group) <= {"name", "rules", "interval"}
+        assert group["rules"], f"rule group {group['name']} is empty"
         for r in group["rules"]:
             assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}
             assert r["alert"].startswith("Tandem") and r["expr"].count("(") == r["expr"].count(")")
@@ -213,6 +229,8 @@ def test_prometheus_operator_objects_are_well_formed(rendered: dict[str, list[di
             for name in re.findall(r"\b(tandem_[a-z_]+|up)\b", r["expr"]):
                 base = name.removesuffix("_bucket").removesuffix("_total")
                 assert name == "up" or base in router_metrics, f"{name} is not exported"
+                series_checked += name != "up"
+    assert series_checked, "no alert uses a series the router exports"
 
 
 # ---- the RayCluster as KubeRay and Ray's autoscaler see it -----------------------------------
@@ -261,9 +279,11 @@ def test_head_starts_ray_then_tandem_serve(rendered: dict[str, list[dict]]) -> N
         "auto",
     )
     assert (ns.host, ns.port) == ("0.0.0.0", 8000)
-    assert ns.api_key is None, "the key must come from the Secret, never the command line"
+    # The key must come from the Secret, never the command line.
+    assert "--api-key" not in given_flags(serve_argv(_head_serve_command(rc)))
+    assert ns.api_key == serve_defaults().api_key
     assert _env(_head_container(rc))["TANDEM_API_KEY"]["secretKeyRef"]["key"] == "api-key"
-    for group in rc["spec"]["workerGroupSpecs"]:
+    for group in _groups(rc).values():
         args = group["template"]["spec"]["containers"][0]["args"]
         assert args == ['ulimit -n 65536; exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"']
 
@@ -280,10 +300,17 @@ def test_serve_flags_follow_the_values(helm: Helm) -> None:
         "model.servedModelName=m",
         "--set",
         "model.kvDtype=fp8_e4m3",
+        "--set-json",
+        'serving.extraArgs=["--log-level", "DEBUG"]',
     )
-    ns = parse_serve_args(serve_argv(_head_serve_command(one(manifests, "RayCluster"))))
-    assert (ns.mode, ns.replicas, ns.prefill, ns.disagg_threshold) == ("colocated", 2, None, 256)
+    argv = serve_argv(_head_serve_command(one(manifests, "RayCluster")))
+    ns = parse_serve_args(argv)
+    assert (ns.mode, ns.replicas, ns.disagg_threshold) == ("colocated", 2, 256)
+    # Colocated: no pool sizes on the command line.
+    assert not given_flags(argv) & {"--prefill", "--decode"}, argv
     assert (ns.served_model_name, ns.kv_dtype) == ("m", "fp8_e4m3")
+    # serving.extraArgs (values.yaml's example) reach `tandem serve` verbatim, last.
+    assert argv[-2:] == ["--log-level", "DEBUG"] and ns.log_level == "DEBUG"
 
 
 @pytest.mark.parametrize("value_set", sorted(VALUE_SETS))
@@ -291,19 +318,20 @@ def test_every_pod_is_locked_down_and_has_shm(
     rendered: dict[str, list[dict]], value_set: str
 ) -> None:
     rc = one(rendered[value_set], "RayCluster")
-    specs = (
-        [rc["spec"]["headGroupSpec"]["template"]["spec"]]
-        + [g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]]
-        + [p["spec"] for p in find(rendered[value_set], "Pod")]
-    )
+    ray_specs = [rc["spec"]["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in _groups(rc).values()
+    ]
+    test_pod = one(rendered[value_set], "Pod", "-test")
+    specs = [*ray_specs, test_pod["spec"]]
     for spec in specs:
+        assert spec["containers"], spec
         assert spec["securityContext"]["runAsNonRoot"] is True
         for c in spec["containers"]:
             sc = c["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["privileged"] is False
             assert sc["capabilities"]["drop"] == ["ALL"]
             assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}
-    for spec in specs[:-1]:
+    for spec in ray_specs:
         shm = [v for v in spec["volumes"] if v["name"] == "dshm"]
         assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
         assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
@@ -350,7 +378,7 @@ def test_cpu_dev_values(rendered: dict[str, list[dict]]) -> None:
     text = json.dumps(rendered["cpu-dev"])
     assert "nvidia.com/gpu" not in text
     rc = one(rendered["cpu-dev"], "RayCluster")
-    for g in rc["spec"]["workerGroupSpecs"]:
+    for g in _groups(rc).values():
         assert g["rayStartParams"]["num-gpus"] == "0"
         c = g["template"]["spec"]["containers"][0]
         assert _env(c)["UCX_TLS"] == "tcp,sm,self"
@@ -393,20 +421,27 @@ def test_networkpolicy_keeps_internal_ports_inside_the_release(
     # Every pod of the release is covered, so none has its ports open by default.
     rc = one(manifests, "RayCluster")
     templates = [rc["spec"]["headGroupSpec"]["template"]] + [
-        g["template"] for g in rc["spec"]["workerGroupSpecs"]
+        g["template"] for g in _groups(rc).values()
     ]
     for t in templates:
         assert release.items() <= t["metadata"]["labels"].items()
-    for rule in np["spec"]["ingress"]:
+    rules = np["spec"]["ingress"]
+    assert rules, "the NetworkPolicy admits nothing: Ray could not start"
+    release_rules = opened = 0
+    for rule in rules:
         peers = rule.get("from")
         from_release_only = peers == [{"podSelector": {"matchLabels": release}}]
         if from_release_only:
+            release_rules += 1
             continue
         names = {p["port"] for p in rule.get("ports", [])}
         assert names, f"rule opens every port to {peers}"
         assert names <= {"http", "metrics"}, names
         if "metrics" in names:
             assert peers, "metrics opened to any source"
+        opened += "http" in names
+    # The release's pods reach each other, and the router's port is reachable.
+    assert release_rules == 1 and opened >= 1, rules
 
 
 def test_router_service_and_pdbs_select_the_right_pods(rendered: dict[str, list[dict]]) -> None:
@@ -418,6 +453,7 @@ def test_router_service_and_pdbs_select_the_right_pods(rendered: dict[str, list[
     port_names = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
     assert port_names["http"] == 8000 and svc["spec"]["ports"][0]["targetPort"] == "http"
     templates = {"head": head} | {g: s["template"] for g, s in _groups(rc).items()}
+    assert len(templates) == 3, sorted(templates)
     for component, template in templates.items():
         pdb = one(manifests, "PodDisruptionBudget", f"-{component}")
         sel = pdb["spec"]["selector"]["matchLabels"]
@@ -612,8 +648,12 @@ def test_examples_only_use_known_values() -> None:
             assert k in base, f"{path}{k} is not in values.yaml"
             walk(v, base[k], f"{path}{k}.")
 
-    for f in sorted(EXAMPLES.glob("*.yaml")):
-        walk(yaml.safe_load(f.read_text()), defaults, f"{f.name}: ")
+    examples = sorted(EXAMPLES.glob("*.yaml"))
+    assert {"gpu-rdma", "cpu-dev", "autoscaling-off"} <= {f.stem for f in examples}, examples
+    for f in examples:
+        example = yaml.safe_load(f.read_text())
+        assert isinstance(example, dict) and example, f"{f.name} sets no values"
+        walk(example, defaults, f"{f.name}: ")
 
 
 def _run_head_script(script: str, tmp_path: Path, ray_start: str) -> subprocess.CompletedProcess:
@@ -675,9 +715,11 @@ def test_notes_tell_the_user_what_to_type(helm: Helm, api_key: str) -> None:
     assert "helm test tandem -n tandem" in notes
     # Every continued line goes on with a flag: the curl command pastes as one command.
     lines = notes.splitlines()
-    for i, line in enumerate(lines):
-        if line.endswith("\\"):
-            assert lines[i + 1].lstrip().startswith("-"), lines[i : i + 2]
+    continued = [i for i, line in enumerate(lines) if line.endswith("\\")]
+    # The completion's curl: its -H Authorization line (with a key) and its -d line.
+    assert len(continued) >= (2 if api_key == "true" else 1), notes
+    for i in continued:
+        assert lines[i + 1].lstrip().startswith("-"), lines[i : i + 2]
     assert ("Authorization: Bearer" in notes) is (api_key == "true")
 
 
@@ -692,14 +734,16 @@ def test_ray_start_params_are_flags_ray_start_accepts(
     from ray.scripts.scripts import start
 
     rc = one(rendered[value_set], "RayCluster")
-    groups = [("head", rc["spec"]["headGroupSpec"])] + [
-        (g["groupName"], g) for g in rc["spec"]["workerGroupSpecs"]
-    ]
+    groups = [("head", rc["spec"]["headGroupSpec"]), *_groups(rc).items()]
     for name, group in groups:
+        # The head sets its ports and num-gpus=0; each pool its GPUs and --resources.
+        assert {"num-gpus", "object-manager-port"} <= set(group["rayStartParams"]), name
         line = " ".join(f"--{k}={v}" for k, v in group["rayStartParams"].items())
         argv = shlex.split(line) + (["--head"] if name == "head" else ["--address=head:6379"])
         params = start.make_context("ray start", argv).params
-        if name != "head":
+        if name == "head":
+            assert params["num_gpus"] == 0, "the head takes no GPU"
+        else:
             pool = _values(value_set)[name]
             slots = pool["gpusPerPod"] or pool["cpuSlots"]
             assert json.loads(params["resources"]) == {pool["rayResource"]: slots}

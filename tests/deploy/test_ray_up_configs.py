@@ -1,6 +1,9 @@
 """The `ray up` cluster YAMLs in cluster/configs/, through Ray's own config preparation and
 validation (what `ray up` runs before it talks to the cloud), plus the pool layout tandem
-relies on."""
+relies on. Each head's `tandem serve` line is parsed by the real `tandem` CLI parser.
+
+test_there_is_a_config_per_cloud fails when the configs are gone (the parametrized tests would
+otherwise be collected with an empty parameter set and skip)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import RAY_CONFIGS, parse_serve_args, serve_argv
+from deploy_helpers import RAY_CONFIGS, given_flags, parse_serve_args, serve_argv, serve_defaults
 
 CONFIGS = sorted(RAY_CONFIGS.glob("*.yaml"))
 
@@ -35,7 +38,7 @@ def _serve_command(config: dict[str, Any]) -> str:
 
 
 def test_there_is_a_config_per_cloud() -> None:
-    assert {p.stem for p in CONFIGS} >= {"aws", "gcp"}
+    assert {p.stem for p in CONFIGS} >= {"aws", "gcp"}, CONFIGS
     assert {_load(p)["provider"]["type"] for p in CONFIGS} >= {"aws", "gcp"}
 
 
@@ -50,6 +53,7 @@ def test_ray_validation_rejects_a_broken_config() -> None:
     import jsonschema
     from ray.autoscaler._private.util import prepare_config, validate_config
 
+    assert CONFIGS, f"no cluster configs in {RAY_CONFIGS}"
     config = copy.deepcopy(_load(CONFIGS[0]))
     node_type = next(iter(config["available_node_types"].values()))
     node_type["resources"]["tandem_prefill"] = "eight"
@@ -96,15 +100,20 @@ def test_head_starts_tandem_serve_on_the_local_ray(path: Path) -> None:
     # The dashboard stays on the head's loopback; `ray dashboard` tunnels to it.
     assert "--dashboard-host=127.0.0.1" in commands[ray_start]
     assert "--num-gpus=0" in commands[ray_start]
-    serve = parse_serve_args(serve_argv(commands[serve_at]))
+    argv = serve_argv(commands[serve_at])
+    serve = parse_serve_args(argv)
     assert (serve.address, serve.bind_host, serve.mode) == ("auto", "auto", "disagg")
-    assert serve.api_key is None, "the key is read from a file, never put on the command line"
+    # The key is read from a file, never put on the command line.
+    assert "--api-key" not in given_flags(argv)
+    assert serve.api_key == serve_defaults().api_key
     assert 'TANDEM_API_KEY="$(cat ~/.tandem-api-key)"' in commands[serve_at]
     assert any("tandem-api-key" in c for c in config["head_setup_commands"])
     # The model directory `tandem serve` loads is the one setup_commands downloads on every node.
     model_dir = serve.model.replace("~", "$HOME")
     assert any(model_dir in c for c in config["setup_commands"]), serve.model
-    for c in config["worker_start_ray_commands"]:
+    workers = config["worker_start_ray_commands"]
+    assert any("ray start" in c for c in workers), workers
+    for c in workers:
         assert "--head" not in c and "tandem serve" not in c
 
 
@@ -127,8 +136,16 @@ def test_ray_start_commands_parse_with_rays_cli(path: Path) -> None:
     from ray.scripts.scripts import start
 
     config = _load(path)
-    for c in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
-        for part in c.split(";"):
-            words = shlex.split(part.replace("$RAY_HEAD_IP", "10.0.0.1"))
-            if words[:2] == ["ray", "start"]:
-                start.make_context("ray start", words[2:])
+    parsed: dict[str, list[dict[str, Any]]] = {}
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        parsed[key] = []
+        for c in config[key]:
+            for part in re.split(r";|&&|\|\|", c):
+                words = shlex.split(part.replace("$RAY_HEAD_IP", "10.0.0.1"))
+                if words[:2] == ["ray", "start"]:
+                    parsed[key].append(start.make_context("ray start", words[2:]).params)
+    # One `ray start` each: the head's with --head, the workers' joining the head.
+    head, workers = parsed["head_start_ray_commands"], parsed["worker_start_ray_commands"]
+    assert len(head) == 1 and head[0]["head"], head
+    assert len(workers) == 1 and not workers[0]["head"], workers
+    assert workers[0]["address"] == f"10.0.0.1:{head[0]['port']}", workers[0]["address"]

@@ -71,6 +71,24 @@ class ServeProcess:
                 raise AssertionError(f"KV blocks not returned: free={free} total={total}")
             time.sleep(0.3)
 
+    def counter(self, name: str, role: str | None = None) -> float:
+        """A per-worker counter summed over the workers (of one role)."""
+        return sum(
+            v
+            for k, v in self.metrics().items()
+            if k.startswith(name + "{") and (role is None or f'role="{role}"' in k)
+        )
+
+    def wait_counter(self, name: str, role: str, at_least: float, timeout: float = 20.0) -> float:
+        """Load reports reach /metrics a beat after the requests finish: poll until the
+        counter reaches `at_least` (or the deadline), and return its value."""
+        deadline = time.time() + timeout
+        while True:
+            value = self.counter(name, role)
+            if value >= at_least or time.time() > deadline:
+                return value
+            time.sleep(0.3)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

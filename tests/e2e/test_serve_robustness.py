@@ -140,6 +140,9 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     import http.client
 
     host, port = server.url.removeprefix("http://").split(":")
+    aborts_before = server.counter("tandem_worker_aborts_total", "decode")
+    # 900 tokens take seconds here; the disconnect comes after the first: the requests can
+    # only end early by being aborted on the decode worker, which the counter proves.
     for prompt in ("short one", "a much longer prompt that goes through the prefill worker " * 4):
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         body = json.dumps(
@@ -157,6 +160,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         resp.fp.readline()  # the first SSE event: the request is running
         conn.sock.close()
         conn.close()
+    aborts = server.wait_counter("tandem_worker_aborts_total", "decode", aborts_before + 2)
+    assert aborts - aborts_before == 2
     m = server.wait_all_blocks_free(timeout=30)
     assert m
     metrics = server.metrics()

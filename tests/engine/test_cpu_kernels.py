@@ -12,6 +12,7 @@ import torch
 
 from engine import kernels
 from engine.kernels import paged_decode
+from engine.models.linear import TILED_MAX_ROWS, Linear
 
 OPS = kernels.ops()
 NO_BUILD = kernels.unavailable_reason()  # None: the kernels must build here
@@ -94,8 +95,7 @@ def test_paged_decode_strided_queries_and_bad_input():
         OPS.paged_decode(q.to(torch.float16), kc, vc, None, None, tables, lens, 0.125, 0)
     # bf16 queries: same math in fp32 inside, one rounding of the output to bf16.
     got16 = OPS.paged_decode(q.to(torch.bfloat16), kc, vc, None, None, tables, lens, 0.125, 0)
-    ref16 = paged_decode.reference(q.to(torch.bfloat16), kc, vc, None, None, tables, lens,
-                                   0.125, 0)
+    ref16 = paged_decode.reference(q.to(torch.bfloat16), kc, vc, None, None, tables, lens, 0.125, 0)
     assert got16.dtype == torch.bfloat16
     torch.testing.assert_close(got16.float(), ref16, rtol=2**-7, atol=2**-7)
 
@@ -106,8 +106,9 @@ def test_cache_write_matches_write_at(dtype):
     from engine.kv_cache import KVCache, KVCacheSpec
 
     g = torch.Generator().manual_seed(2)
-    spec = KVCacheSpec(model="t", num_layers=3, num_kv_heads=4, head_dim=16, block_size=8,
-                       dtype=dtype)
+    spec = KVCacheSpec(
+        model="t", num_layers=3, num_kv_heads=4, head_dim=16, block_size=8, dtype=dtype
+    )
     a, b = KVCache(spec, 6), KVCache(spec, 6)
     qkv = torch.randn(11, 12, 16, generator=g, dtype=torch.float32).to(dtype)
     k, v = qkv[:, 4:8], qkv[:, 8:]
@@ -124,8 +125,9 @@ def test_cache_write_matches_write_at(dtype):
 
 @needs_bf16
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 15, 16, 17, 64, 97])
-@pytest.mark.parametrize("n,k,bias", [(1, 7, False), (13, 80, True), (70, 515, False),
-                                      (256, 512, True)])
+@pytest.mark.parametrize(
+    "n,k,bias", [(1, 7, False), (13, 80, True), (70, 515, False), (256, 512, True)]
+)
 def test_bf16_linear_matches_fp32_reference(m, n, k, bias):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g, dtype=torch.float32).to(torch.bfloat16)
@@ -144,10 +146,8 @@ def test_bf16_linear_matches_fp32_reference(m, n, k, bias):
 
 @needs_bf16
 def test_linear_routes_every_row_count_to_the_same_result():
-    """engine.models.llama.Linear picks GEMV, tiled kernel or widened fp32 GEMM by row count;
+    """engine.models.linear.Linear picks GEMV, tiled kernel or widened fp32 GEMM by row count;
     every route must agree with fp32 math rounded once."""
-    from engine.models.llama import TILED_MAX_ROWS, Linear
-
     g = torch.Generator().manual_seed(3)
     lin = Linear(96, 40, bias=True).to(torch.bfloat16)
     with torch.no_grad():

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.make_model import ARCHS, make_model, model_shape
+from engine import make_model as make_model_module
+from engine.make_model import ARCHS, COMPLETE_MARKER, cached_model, make_model, model_shape
 
 PROMPT = "The capital of France is Paris, and the quick brown fox jumps."
 
@@ -167,3 +169,101 @@ def test_cli(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None
     assert AutoConfig.from_pretrained(out).model_type == "qwen3"
     ref = make_model(tmp_path / "direct", arch="qwen3", preset="tiny", seed=1)
     assert (out / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+
+def test_cached_model_is_made_once_and_reused(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoConfig
+
+    path = cached_model("qwen3", "tiny", seed=2, cache_dir=tmp_path)
+    assert path == tmp_path / "qwen3-tiny-seed2"
+    assert (path / COMPLETE_MARKER).is_file()
+    assert AutoConfig.from_pretrained(path).model_type == "qwen3"
+    ref = make_model(tmp_path / "direct", arch="qwen3", preset="tiny", seed=2)
+    assert (path / "model.safetensors").read_bytes() == (ref / "model.safetensors").read_bytes()
+
+    def must_not_make(*args, **kwargs):
+        raise AssertionError("a complete cached model was made again")
+
+    monkeypatch.setattr(make_model_module, "make_model", must_not_make)
+    assert cached_model("qwen3", "tiny", seed=2, cache_dir=tmp_path) == path
+    # Only the model and the reference are left: no temporary directory.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["direct", "qwen3-tiny-seed2"]
+
+
+def _fake_make_model(calls: list[str], barrier: threading.Barrier | None = None):
+    """A stand-in for make_model that writes one file naming its caller, optionally after
+    every racing caller has started."""
+
+    def fake(out, arch="llama", preset="tiny", seed=0, max_position_embeddings=None):
+        if barrier is not None:
+            barrier.wait(timeout=10)
+        out = pathlib.Path(out)
+        (out / "config.json").write_text(json.dumps({"made_by": threading.get_ident()}))
+        calls.append(str(out))
+        return out
+
+    return fake
+
+
+def test_cached_model_replaces_an_incomplete_directory(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(make_model_module, "make_model", _fake_make_model(calls))
+    stale = tmp_path / "llama-small-seed0"
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")  # a crash before the marker: never reused
+    (stale / "half-written.safetensors").write_bytes(b"x")
+    path = cached_model(cache_dir=tmp_path)
+    assert path == stale and len(calls) == 1
+    assert (path / COMPLETE_MARKER).is_file()
+    assert not (path / "half-written.safetensors").exists()
+    assert json.loads((path / "config.json").read_text())["made_by"]
+    assert [p.name for p in tmp_path.iterdir()] == ["llama-small-seed0"]
+
+
+def test_cached_model_failure_leaves_nothing_behind(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(out, **kwargs):
+        (pathlib.Path(out) / "config.json").write_text("{}")
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(make_model_module, "make_model", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        cached_model(cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match="unknown arch"):
+        cached_model("gpt2", cache_dir=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_cached_model_two_racing_callers_share_one_copy(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[str] = []
+    barrier = threading.Barrier(2)
+    monkeypatch.setattr(make_model_module, "make_model", _fake_make_model(calls, barrier))
+    results: list[pathlib.Path] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            results.append(cached_model("mistral", "tiny", cache_dir=tmp_path))
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    # Both made a copy (the barrier lets neither see the other's), one rename won, both
+    # callers got that one, and the loser's copy is gone.
+    assert len(calls) == 2
+    assert results == [tmp_path / "mistral-tiny-seed0"] * 2
+    assert (results[0] / COMPLETE_MARKER).is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["mistral-tiny-seed0"]

@@ -9,8 +9,8 @@ import torch
 
 from engine import LLM, SamplingParams, kernels
 from engine.kernels import linear as linear_kernels
-from engine.models.llama import TILED_MAX_ROWS, Linear
-from engine.quantization import quantize_int8, validate
+from engine.models.linear import TILED_MAX_ROWS, Linear, quantize_linears
+from engine.quantization import dequantize_int8, quantize_int8, validate
 
 OPS = kernels.ops()
 needs_kernels = pytest.mark.skipif(
@@ -29,6 +29,26 @@ def test_quantize_int8_error_is_at_most_half_a_step():
     err = (q.float() * scale[:, None] - w).abs()
     assert bool((err <= scale[:, None] / 2 + 1e-7).all())
     assert torch.equal(q[3], torch.zeros(130, dtype=torch.int8))
+
+
+def test_dequantize_int8_is_q_times_scale():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (9, 33), generator=g, dtype=torch.int8)
+    scale = torch.rand(9, generator=g, dtype=torch.float32)
+    w = dequantize_int8(q, scale)
+    assert w.dtype == torch.float32
+    assert torch.equal(w, q.float() * scale[:, None])
+
+
+def test_quantize_linears_touches_only_the_module_given():
+    inner = torch.nn.Sequential(Linear(8, 8), torch.nn.ReLU(), Linear(8, 4))
+    head = Linear(4, 2)
+    assert quantize_linears(inner, None) == 0 and quantize_linears(inner, "none") == 0
+    assert not any(m.quantized for m in (inner[0], inner[2]))
+    assert quantize_linears(inner, "int8") == 2
+    assert inner[0].quantized and inner[2].quantized and not head.quantized
+    with pytest.raises(ValueError, match="quantization"):
+        quantize_linears(head, "int4")
 
 
 def test_validate_names_the_field():
@@ -88,8 +108,10 @@ def test_engine_int8_stays_close_to_the_full_model(make_tiny_model):
     )
     layers_q = sum(
         t.numel() * t.element_size()
-        for t in [*quant.engine.model.model.layers.parameters(),
-                  *quant.engine.model.model.layers.buffers()]
+        for t in [
+            *quant.engine.model.model.layers.parameters(),
+            *quant.engine.model.model.layers.buffers(),
+        ]
     )
     assert layers_q < 0.3 * layers_full
     g = torch.Generator().manual_seed(4)
@@ -100,8 +122,9 @@ def test_engine_int8_stays_close_to_the_full_model(make_tiny_model):
     b = quant.generate(prompts, sp)
     first = sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True))
     same = sum(
-        t == u for x, y in zip(a, b, strict=True) for t, u in zip(x.token_ids, y.token_ids,
-                                                                  strict=True)
+        t == u
+        for x, y in zip(a, b, strict=True)
+        for t, u in zip(x.token_ids, y.token_ids, strict=True)
     )
     assert first >= 3, (a, b)
     assert same >= 0.6 * 4 * 12, (a, b)

@@ -42,8 +42,12 @@ class PeerProcess:
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT), json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, cwd=ROOT, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=ROOT,
+            env=env,
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -112,8 +116,9 @@ class PeerProcess:
 class LocalWorker:
     """An in-process agent with a worker's loop duties: free list, poll, event log."""
 
-    def __init__(self, name: str, num_blocks: int, agent: dict | None = None,
-                 device: str = "cpu", **spec_kw):
+    def __init__(
+        self, name: str, num_blocks: int, agent: dict | None = None, device: str = "cpu", **spec_kw
+    ):
         self.cache = KVCache(spec(**spec_kw), num_blocks, device=device)
         self.agent = KVTransferAgent(name, self.cache, **(agent or {}))
         self.free = list(range(num_blocks))

@@ -49,13 +49,21 @@ def block_hashes(cache: KVCache, blocks: list[int]) -> list[str]:
 
 def event_dict(ev) -> dict:
     if isinstance(ev, Released):
-        return {"kind": "released", "rid": ev.request_id, "blocks": list(ev.block_ids),
-                "reason": ev.reason}
+        return {
+            "kind": "released",
+            "rid": ev.request_id,
+            "blocks": list(ev.block_ids),
+            "reason": ev.reason,
+        }
     if isinstance(ev, ReadDone):
         return {"kind": "read_done", "rid": ev.request_id, "blocks": list(ev.local_block_ids)}
     assert isinstance(ev, ReadFailed)
-    return {"kind": "read_failed", "rid": ev.request_id, "blocks": list(ev.local_block_ids),
-            "reason": ev.reason}
+    return {
+        "kind": "read_failed",
+        "rid": ev.request_id,
+        "blocks": list(ev.local_block_ids),
+        "reason": ev.reason,
+    }
 
 
 def main() -> None:
@@ -135,8 +143,9 @@ def main() -> None:
                 agent.connect(cmd["metadata"])
                 reply({"ok": True})
             elif op == "start_read":
-                agent.start_read(cmd["rid"], cmd["peer"], cmd["remote"], cmd["local"],
-                                 cmd["deadline"])
+                agent.start_read(
+                    cmd["rid"], cmd["peer"], cmd["remote"], cmd["local"], cmd["deadline"]
+                )
                 paused_until = time.monotonic() + cmd.get("pause", 0.0)
                 reply({"ok": True, "state": agent.transfer_state(cmd["rid"]).name})
             elif op == "state":

@@ -73,8 +73,11 @@ def test_agent_keeps_working_after_bad_frames(sender):
 
 def test_frames_on_the_wire_are_msgpack_maps():
     frame = encode(Renew(3, ["a", "b"]))
-    assert msgpack.unpackb(frame) == {"v": 1, "t": "kvx.renew",
-                                      "d": {"seq": 3, "request_ids": ["a", "b"]}}
+    assert msgpack.unpackb(frame) == {
+        "v": 1,
+        "t": "kvx.renew",
+        "d": {"seq": 3, "request_ids": ["a", "b"]},
+    }
     assert frame[0] == 0x83  # a msgpack fixmap of 3 entries; a pickle starts with 0x80
 
 

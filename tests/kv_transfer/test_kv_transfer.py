@@ -46,10 +46,12 @@ def pair(request):
 def test_blocks_arrive_byte_exact(pair, n):
     kv_dtype, sender, receiver = pair
     baseline = sender.call("free_count")["free"]
+    served = sender.call("stats")
     remote = sender.call("alloc", n=n)["blocks"]
     local = receiver.alloc(n)
-    assert n == 1 or (remote != sorted(remote) or any(
-        b - a != 1 for a, b in itertools.pairwise(remote)))
+    assert n == 1 or (
+        remote != sorted(remote) or any(b - a != 1 for a, b in itertools.pairwise(remote))
+    )
     rid = f"req-{kv_dtype}-{n}"
     deadline = sender.call("hold", rid=rid, blocks=remote, peer=receiver.agent.name)["deadline"]
     receiver.agent.start_read(rid, sender.name, remote, local, deadline)
@@ -61,6 +63,10 @@ def test_blocks_arrive_byte_exact(pair, n):
     (rel,) = sender.wait_events(1, timeout=10)
     assert rel == {"kind": "released", "rid": rid, "blocks": remote, "reason": "read_done"}
     assert sender.call("free_count")["free"] == baseline
+    # The sender accounts what it served: the bytes the receiver read, and the reading time.
+    after = sender.call("stats")
+    assert after["bytes_served"] - served["bytes_served"] == ev.num_bytes
+    assert after["serve_seconds"] > served["serve_seconds"]
     receiver.free.extend(local)
 
 
@@ -80,8 +86,9 @@ def test_fp8_halves_the_wire_bytes_and_scales_travel(pair):
     slots = [b * s.block_size + o for b in remote for o in range(s.block_size)]
     assert sender.call("write_kv", slots=slots, seed=3)["ok"]
     local = receiver.alloc(3)
-    deadline = sender.call("hold", rid=f"w-{kv_dtype}", blocks=remote,
-                           peer=receiver.agent.name)["deadline"]
+    deadline = sender.call("hold", rid=f"w-{kv_dtype}", blocks=remote, peer=receiver.agent.name)[
+        "deadline"
+    ]
     receiver.agent.start_read(f"w-{kv_dtype}", sender.name, remote, local, deadline)
     assert isinstance(receiver.wait_for(f"w-{kv_dtype}", timeout=20), ReadDone)
     assert receiver.agent.stats().bytes_read - before == 3 * per_block

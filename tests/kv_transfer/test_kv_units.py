@@ -81,18 +81,33 @@ def test_every_sequence_of_moves_is_monotone():
 
 def _md(**kw) -> AgentMetadata:
     spec = KVCacheSpec("LlamaForCausalLM", 2, 2, 64, 16, torch.bfloat16)
-    d = {"name": "p0", "instance_id": "abc", "endpoint": "tcp://127.0.0.1:5555",
-             "protocol_version": PROTOCOL_VERSION, "compat_hash": spec.compat_hash(),
-             "compat_fields": spec.compat_fields(), "num_blocks": 100, "mem_type": "DRAM"}
+    d = {
+        "name": "p0",
+        "instance_id": "abc",
+        "endpoint": "tcp://127.0.0.1:5555",
+        "protocol_version": PROTOCOL_VERSION,
+        "compat_hash": spec.compat_hash(),
+        "compat_fields": spec.compat_fields(),
+        "num_blocks": 100,
+        "mem_type": "DRAM",
+    }
     d.update(kw)
     return AgentMetadata(**d)
 
 
 def _kv_ready(**kw) -> KVReady:
-    d = {"request_id": "r1", "prompt_token_ids": list(range(40)),
-             "sampling": SamplingParams(max_tokens=5, temperature=0.0), "first_token": 9,
-             "reply_to": "tcp://router:1", "prefill_worker_id": "prefill-0", "sender": _md(),
-             "block_ids": [4, 9, 2], "num_tokens": 40, "lease_deadline": time.time() + 10}
+    d = {
+        "request_id": "r1",
+        "prompt_token_ids": list(range(40)),
+        "sampling": SamplingParams(max_tokens=5, temperature=0.0),
+        "first_token": 9,
+        "reply_to": "tcp://router:1",
+        "prefill_worker_id": "prefill-0",
+        "sender": _md(),
+        "block_ids": [4, 9, 2],
+        "num_tokens": 40,
+        "lease_deadline": time.time() + 10,
+    }
     d.update(kw)
     return KVReady(**d)
 
@@ -105,15 +120,18 @@ def test_kv_ready_round_trips_through_the_wire():
     assert AgentMetadata.coerce(msg.sender.to_dict()) == msg.sender
 
 
-@pytest.mark.parametrize("bad", [
-    {"block_ids": [4, 9]},  # 2 blocks of 16 cannot hold 40 tokens
-    {"block_ids": [4, 4, 2]},
-    {"block_ids": [4, 9, 100]},  # beyond the sender's cache
-    {"first_token": -1},
-    {"request_id": ""},
-    {"lease_deadline": float("nan")},
-    {"num_tokens": 0},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_ids": [4, 9]},  # 2 blocks of 16 cannot hold 40 tokens
+        {"block_ids": [4, 4, 2]},
+        {"block_ids": [4, 9, 100]},  # beyond the sender's cache
+        {"first_token": -1},
+        {"request_id": ""},
+        {"lease_deadline": float("nan")},
+        {"num_tokens": 0},
+    ],
+)
 def test_kv_ready_rejects_bad_fields(bad):
     with pytest.raises(ValueError):
         _kv_ready(**bad)
@@ -182,8 +200,8 @@ def test_events_and_stats():
 
 
 def test_wildcard_bind_is_advertised_under_a_routable_host():
-    from kv_transfer.agent import _advertised
+    from kv_transfer.side_channel import advertised_endpoint
 
-    assert _advertised("tcp://127.0.0.1:5000", None) == "tcp://127.0.0.1:5000"
-    assert _advertised("tcp://0.0.0.0:5000", "10.0.0.7") == "tcp://10.0.0.7:5000"
-    assert not _advertised("tcp://0.0.0.0:5000", None).startswith("tcp://0.0.0.0")
+    assert advertised_endpoint("tcp://127.0.0.1:5000", None) == "tcp://127.0.0.1:5000"
+    assert advertised_endpoint("tcp://0.0.0.0:5000", "10.0.0.7") == "tcp://10.0.0.7:5000"
+    assert not advertised_endpoint("tcp://0.0.0.0:5000", None).startswith("tcp://0.0.0.0")

@@ -404,4 +404,4 @@ def test_start_failure_releases_sockets(model_dir, model_info):
         server = RouterServer(cfg, StaticDirectory([]), model_info=model_info)
         with pytest.raises(OSError):
             asyncio.run(server.start())
-    assert server.dataplane._pull is None and server._refresh_task is None
+    assert server.dataplane._pull is None and server.pool._refresh_task is None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.bench_metrics import (
+from bench.metrics import (
     RequestRecord,
     compute_metrics,
     itls_from_chunks,
@@ -22,8 +22,15 @@ def ok_record(
     index: int, ttft: float, e2e: float, out: int, prompt: int = 10, itls=None
 ) -> RequestRecord:
     return RequestRecord(
-        index=index, arrival_s=0.0, start_s=0.0, prompt_len=prompt, target_output_len=out,
-        output_len=out, ttft_s=ttft, e2e_s=e2e, itls_s=list(itls or []),
+        index=index,
+        arrival_s=0.0,
+        start_s=0.0,
+        prompt_len=prompt,
+        target_output_len=out,
+        output_len=out,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        itls_s=list(itls or []),
     )
 
 
@@ -104,8 +111,18 @@ def _mixed_records() -> list[RequestRecord]:
         ok_record(0, ttft=0.10, e2e=0.50, out=5, prompt=10, itls=[0.1] * 4),  # TPOT 100 ms
         ok_record(1, ttft=0.30, e2e=0.50, out=3, prompt=20, itls=[0.1, 0.1]),  # TPOT 100 ms
         ok_record(2, ttft=0.05, e2e=0.05, out=1, prompt=30),  # single token: no TPOT
-        RequestRecord(3, 0.0, 0.0, 40, 5, output_len=2, ttft_s=0.01, e2e_s=0.02,
-                      itls_s=[0.01], error="ClientPayloadError: dropped"),
+        RequestRecord(
+            3,
+            0.0,
+            0.0,
+            40,
+            5,
+            output_len=2,
+            ttft_s=0.01,
+            e2e_s=0.02,
+            itls_s=[0.01],
+            error="ClientPayloadError: dropped",
+        ),
         ok_record(4, ttft=0.15, e2e=1.15, out=5, prompt=50, itls=[0.25] * 4),  # TPOT 250 ms
     ]
 
@@ -175,7 +192,17 @@ def test_compute_metrics_all_failed_and_bad_duration():
 
 def test_record_to_dict_has_the_per_request_fields():
     d = ok_record(7, ttft=0.1, e2e=0.3, out=3, itls=[0.1, 0.1]).to_dict()
-    for key in ("index", "arrival_s", "start_s", "prompt_len", "output_len", "ttft_s", "tpot_s",
-                "e2e_s", "itls_s", "error"):
+    for key in (
+        "index",
+        "arrival_s",
+        "start_s",
+        "prompt_len",
+        "output_len",
+        "ttft_s",
+        "tpot_s",
+        "e2e_s",
+        "itls_s",
+        "error",
+    ):
         assert key in d
     assert d["tpot_s"] == pytest.approx(0.1)

@@ -9,17 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.bench_serve import (
-    CHAT,
-    COMPLETIONS,
-    BenchConfig,
-    arrival_offsets,
-    build_payload,
-    build_workload,
-    config_from_args,
-    endpoint_url,
-    sample_lengths,
-)
+from bench.cli import config_from_args
+from bench.client import build_payload, endpoint_url
+from bench.config import CHAT, COMPLETIONS, BenchConfig
+from bench.workload import arrival_offsets, build_workload, sample_lengths
 from cluster.cli import build_parser
 
 
@@ -79,8 +72,17 @@ def test_infinite_rate_sends_everything_at_once_and_seed_reproduces():
 
 
 def test_random_workload_token_prompts_are_exact_and_seeded():
-    cfg = BenchConfig(num_prompts=40, input_len=20, input_range=0.5, output_len=8,
-                      output_range=0.25, request_rate=50.0, vocab_low=10, vocab_high=20, seed=7)
+    cfg = BenchConfig(
+        num_prompts=40,
+        input_len=20,
+        input_range=0.5,
+        output_len=8,
+        output_range=0.25,
+        request_rate=50.0,
+        vocab_low=10,
+        vocab_high=20,
+        seed=7,
+    )
     w = build_workload(cfg)
     assert w.trace is None and len(w.requests) == 40
     for r in w.requests:
@@ -98,20 +100,30 @@ def test_random_workload_token_prompts_are_exact_and_seeded():
 
 def test_chat_workload_uses_words():
     w = build_workload(BenchConfig(endpoint=CHAT, num_prompts=5, input_len=12))
+    assert len(w.requests) == 5
     for r in w.requests:
         assert isinstance(r.prompt, str) and len(r.prompt.split()) == 12
 
 
 def test_trace_workload_applies_scales(tmp_path: Path):
     path = tmp_path / "t.csv"
-    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
-                    "2023-11-16 18:00:00.0,100,40\n2023-11-16 18:00:01.5,300,8\n"
-                    "2023-11-16 18:00:02.0,50,10\n")
-    cfg = BenchConfig(dataset=f"trace:{path}", num_prompts=2, trace_length_scale=0.1,
-                      trace_time_scale=0.5, trace_max_output=3)
+    path.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:00:00.0,100,40\n2023-11-16 18:00:01.5,300,8\n"
+        "2023-11-16 18:00:02.0,50,10\n"
+    )
+    cfg = BenchConfig(
+        dataset=f"trace:{path}",
+        num_prompts=2,
+        trace_length_scale=0.1,
+        trace_time_scale=0.5,
+        trace_max_output=3,
+    )
     w = build_workload(cfg)
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in w.requests] == [
-        (0.0, 10, 3), (pytest.approx(0.75), 30, 1)]
+        (0.0, 10, 3),
+        (pytest.approx(0.75), 30, 1),
+    ]
     assert [len(r.prompt) for r in w.requests] == [10, 30]
     assert w.trace is not None and w.trace.num_requests == 2
     assert w.trace.rate_rps == pytest.approx(1 / 0.75)
@@ -123,8 +135,15 @@ def test_endpoint_url_and_payloads():
     cfg = BenchConfig(num_prompts=1, input_len=3, output_len=5)
     req = build_workload(cfg).requests[0]
     p = build_payload(cfg, req, "m")
-    assert p == {"model": "m", "prompt": req.prompt, "max_tokens": 5, "temperature": 0.0,
-                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    assert p == {
+        "model": "m",
+        "prompt": req.prompt,
+        "max_tokens": 5,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     chat_cfg = BenchConfig(endpoint=CHAT, num_prompts=1, input_len=3, ignore_eos=False)
     chat_req = build_workload(chat_cfg).requests[0]
     q = build_payload(chat_cfg, chat_req, None)
@@ -153,11 +172,38 @@ def test_config_validation(bad):
 
 
 def test_cli_flags_build_the_config():
-    argv = ["bench", "serve", "--base-url", "http://x:1", "--dataset", "trace:/tmp/t.csv",
-            "--num-prompts", "7", "--request-rate", "inf", "--burstiness", "0.5",
-            "--max-concurrency", "3", "--slo-ttft-ms", "200", "--slo-tpot-ms", "50",
-            "--trace-length-scale", "0.1", "--trace-time-scale", "4", "--trace-max-input", "64",
-            "--endpoint", CHAT, "--api-key", "sk", "--no-ignore-eos", "--no-progress"]
+    argv = [
+        "bench",
+        "serve",
+        "--base-url",
+        "http://x:1",
+        "--dataset",
+        "trace:/tmp/t.csv",
+        "--num-prompts",
+        "7",
+        "--request-rate",
+        "inf",
+        "--burstiness",
+        "0.5",
+        "--max-concurrency",
+        "3",
+        "--slo-ttft-ms",
+        "200",
+        "--slo-tpot-ms",
+        "50",
+        "--trace-length-scale",
+        "0.1",
+        "--trace-time-scale",
+        "4",
+        "--trace-max-input",
+        "64",
+        "--endpoint",
+        CHAT,
+        "--api-key",
+        "sk",
+        "--no-ignore-eos",
+        "--no-progress",
+    ]
     cfg = config_from_args(build_parser(argv).parse_args(argv))
     assert cfg.base_url == "http://x:1" and cfg.trace_path == "/tmp/t.csv"
     assert cfg.num_prompts == 7 and math.isinf(cfg.request_rate) and cfg.burstiness == 0.5

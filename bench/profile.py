@@ -4,7 +4,8 @@ Lifecycle of a run (`profile_model`):
 1. build one `LLMEngine` on this process's threads (default 1: one worker's core share), with
    prefix caching off (repeated prompts must be computed, not looked up) and a token budget
    that fits the longest prompt in one step;
-2. warm up (one short prefill + a few decode steps, so lazy allocations are not timed);
+2. warm up (one prefill at the shortest and one at the longest length, so lazy allocations
+   and kernel choices are not timed);
 3. prefill: for each prompt length, `repeats` fresh random prompts with max_tokens=1, each
    timed as the one `engine.step()` that computes the prompt and samples the first token
    (the median is reported: TTFT of an idle worker);
@@ -15,7 +16,10 @@ Lifecycle of a run (`profile_model`):
    prefill_latency.png and decode_latency.png.
 
 These are the per-worker numbers the planner's sizing rule needs: prefill tokens/s against
-prompt length, and the decode step time against context length.
+prompt length, and the decode step time against context length. Only engine/ is needed; the
+default model is the demo's cached `small` checkpoint (`engine.make_model.cached_model`).
+The flags are generated from `ProfileConfig`; `--model` (optional here) and `--out` are not
+config fields.
 """
 
 from __future__ import annotations
@@ -27,27 +31,48 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
+
+from engine.config_flags import add_flags, setting, values_from_args
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2000)
 DEFAULT_OUT = "benchmarks/results/profile"
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
 @dataclass(slots=True)
 class ProfileConfig:
-    model: str
-    dtype: str = "float32"
-    lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    positions: tuple[int, ...] | None = None  # None: ~12 evenly spaced up to max_position
-    max_position: int | None = None  # None: the model's context window
-    repeats: int = 3
-    threads: int = 1
-    window: int = 8  # decode steps around each reported position
-    seed: int = 0
-    load_format: str = "auto"
-    attention_backend: str = "auto"
+    """One `tandem profile` run; each CLI field is also its flag (`--lengths`, ...)."""
+
+    model: str = setting(help="local HF model directory")
+    dtype: str = setting("float32", "torch dtype of the weights and activations")
+    lengths: tuple[int, ...] = setting(
+        DEFAULT_LENGTHS, "prompt lengths to prefill, comma-separated", parse=_int_list
+    )
+    positions: tuple[int, ...] | None = setting(
+        None, "decode positions to report (unset: 12 evenly spaced)", parse=_int_list
+    )
+    max_position: int | None = setting(
+        None, "grow the decode sequence to this many tokens (unset: the context window)"
+    )
+    repeats: int = setting(3, "prefill runs per length (median)")
+    threads: int = setting(1, "torch threads (one worker's share)")
+    window: int = setting(8, "decode steps around each reported position", cli=False)
+    seed: int = setting(0, "seed of the random prompts (and of the default model)")
+    load_format: str = setting(
+        "auto", "weights: 'auto' reads them, 'dummy' is seeded random", choices=("auto", "dummy")
+    )
+    attention_backend: str = setting("auto", "attention backend of the engine")
 
     def __post_init__(self) -> None:
         if not self.lengths or any(n < 1 for n in self.lengths):
@@ -142,12 +167,12 @@ def _machine(threads: int) -> dict:
     }
 
 
-def _random_prompt(rng, n: int, vocab: int) -> list[int]:
+def _random_prompt(rng: Any, n: int, vocab: int) -> list[int]:
     # Ids above the special tokens and below the vocab; fresh per call so nothing is cached.
     return [int(t) for t in rng.integers(16, vocab, size=n)]
 
 
-def _timed_step(engine) -> float:
+def _timed_step(engine: Any) -> float:
     import torch
 
     t0 = time.perf_counter()
@@ -157,25 +182,10 @@ def _timed_step(engine) -> float:
     return time.perf_counter() - t0
 
 
-def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
-    import numpy as np
-    import torch
-
-    from engine.config import ModelConfig
+def _build_engine(cfg: ProfileConfig, window_len: int, longest: int) -> Any:
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
 
-    torch.set_num_threads(cfg.threads)
-    machine = _machine(cfg.threads)
-    started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    mc = ModelConfig.from_pretrained(cfg.model)  # the context window sizes the engine
-    window_len = mc.max_position
-    max_position = min(cfg.max_position or window_len, window_len)
-    lengths = tuple(n for n in cfg.lengths if n < window_len)
-    if not lengths:
-        raise ValueError(f"every length is >= the context window ({window_len})")
-    longest = max(max(lengths), max_position)
-    engine = LLMEngine(
+    return LLMEngine(
         EngineConfig(
             model=cfg.model,
             dtype=cfg.dtype,
@@ -191,8 +201,18 @@ def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
             seed=cfg.seed,
         )
     )
-    rng = np.random.default_rng(cfg.seed)
-    vocab = mc.vocab_size
+
+
+def _profile_prefill(
+    engine: Any,
+    cfg: ProfileConfig,
+    lengths: tuple[int, ...],
+    rng: Any,
+    vocab: int,
+    log: Callable[[str], None],
+) -> list[PrefillPoint]:
+    from engine.sampling_params import SamplingParams
+
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rid = iter(range(1 << 30))
 
@@ -218,15 +238,25 @@ def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
             f"prefill {n:>5} tokens: {point.median_s * 1e3:8.1f} ms "
             f"({point.tokens_per_s:8.0f} tok/s)"
         )
+    return prefill
 
-    # Decode: one sequence from a short prompt to max_position tokens, each step timed.
-    start = min(16, max_position - 1)
-    steps_to_run = max_position - start
+
+def _profile_decode(
+    engine: Any,
+    start: int,
+    max_position: int,
+    rng: Any,
+    vocab: int,
+    log: Callable[[str], None],
+) -> list[float]:
+    """One sequence from a `start`-token prompt to `max_position` tokens, each step timed."""
+    from engine.sampling_params import SamplingParams
+
     name = "decode-0"
     engine.add_request(
         name,
         _random_prompt(rng, start, vocab),
-        SamplingParams(max_tokens=steps_to_run, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=max_position - start, temperature=0.0, ignore_eos=True),
     )
     _timed_step(engine)  # the prefill of the short prompt: not a decode step
     steps: list[float] = []
@@ -237,8 +267,13 @@ def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
             log(f"decode position {start + len(steps)}/{max_position}")
             next_report += 5.0
     engine.pop_finished(name)
-    # Step i reads the prompt plus i+1 outputs: its context is start + 1 + i tokens.
-    first_pos = start + 1
+    return steps
+
+
+def _decode_points(cfg: ProfileConfig, steps: list[float], first_pos: int) -> list[DecodePoint]:
+    """The median step time in a window around each reported position."""
+    import numpy as np
+
     positions = cfg.positions or tuple(
         sorted({int(p) for p in np.linspace(first_pos, first_pos + len(steps) - 1, 12)})
     )
@@ -249,24 +284,54 @@ def profile_model(cfg: ProfileConfig, log=print) -> ProfileResult:
             continue
         lo, hi = max(0, i - cfg.window // 2), min(len(steps), i + cfg.window // 2 + 1)
         decode.append(DecodePoint(p, statistics.median(steps[lo:hi])))
+    return decode
+
+
+def profile_model(cfg: ProfileConfig, log: Callable[[str], None] = print) -> ProfileResult:
+    import numpy as np
+    import torch
+
+    from engine.config import ModelConfig
+
+    torch.set_num_threads(cfg.threads)
+    machine = _machine(cfg.threads)
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    mc = ModelConfig.from_pretrained(cfg.model)  # the context window sizes the engine
+    window_len = mc.max_position
+    max_position = min(cfg.max_position or window_len, window_len)
+    lengths = tuple(n for n in cfg.lengths if n < window_len)
+    if not lengths:
+        raise ValueError(f"every length is >= the context window ({window_len})")
+    engine = _build_engine(cfg, window_len, max(max(lengths), max_position))
+    rng = np.random.default_rng(cfg.seed)
+    prefill = _profile_prefill(engine, cfg, lengths, rng, mc.vocab_size, log)
+    start = min(16, max_position - 1)
+    steps = _profile_decode(engine, start, max_position, rng, mc.vocab_size, log)
+    # Step i reads the prompt plus i+1 outputs: its context is start + 1 + i tokens.
+    first_pos = start + 1
+    decode = _decode_points(cfg, steps, first_pos)
     for d in decode:
         log(f"decode at position {d.position:>5}: {d.median_s * 1e3:7.2f} ms/token")
     return ProfileResult(cfg, prefill, decode, steps, first_pos, machine, started_at)
 
 
-def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
+def _new_figure() -> Any:
     # Agg canvas on a Figure directly: no pyplot, so no GUI backend and no global state.
-    import numpy as np
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = Path(result.config.model).name
-    threads = result.config.threads
-    paths = []
-
     fig = Figure(figsize=(6.4, 4.2))
     FigureCanvasAgg(fig)
+    return fig
+
+
+def _title(result: ProfileResult, what: str) -> str:
+    cfg = result.config
+    return f"{what}, {Path(cfg.model).name}, {cfg.dtype}, {cfg.threads} thread(s)"
+
+
+def _plot_prefill(result: ProfileResult, path: Path) -> Path:
+    fig = _new_figure()
     ax = fig.add_subplot()
     xs = [p.prompt_len for p in result.prefill]
     ax.plot(xs, [p.median_s * 1e3 for p in result.prefill], "o-", label="median")
@@ -280,7 +345,7 @@ def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
         )
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("prefill latency (ms)")
-    ax.set_title(f"prefill latency, {name}, {result.config.dtype}, {threads} thread(s)")
+    ax.set_title(_title(result, "prefill latency"))
     ax.grid(alpha=0.3)
     ax2 = ax.twinx()
     ax2.plot(
@@ -294,11 +359,14 @@ def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
     ax2.set_ylabel("prefill tokens/s", color="tab:orange")
     ax2.set_ylim(bottom=0)
     fig.tight_layout()
-    paths.append(out_dir / "prefill_latency.png")
-    fig.savefig(paths[-1], dpi=110)
+    fig.savefig(path, dpi=110)
+    return path
 
-    fig = Figure(figsize=(6.4, 4.2))
-    FigureCanvasAgg(fig)
+
+def _plot_decode(result: ProfileResult, path: Path) -> Path:
+    import numpy as np
+
+    fig = _new_figure()
     ax = fig.add_subplot()
     raw = np.array(result.decode_steps_s) * 1e3
     pos = np.arange(result.decode_start, result.decode_start + len(raw))
@@ -311,73 +379,47 @@ def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
     )
     ax.set_xlabel("position (context tokens)")
     ax.set_ylabel("decode time per token (ms), batch 1")
-    ax.set_title(f"decode latency, {name}, {result.config.dtype}, {threads} thread(s)")
+    ax.set_title(_title(result, "decode latency"))
     top = float(np.percentile(raw, 99)) * 1.3 if len(raw) else 1.0
     ax.set_ylim(0, top)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    paths.append(out_dir / "decode_latency.png")
-    fig.savefig(paths[-1], dpi=110)
-    return paths
+    fig.savefig(path, dpi=110)
+    return path
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+def plot_profile(result: ProfileResult, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        _plot_prefill(result, out_dir / "prefill_latency.png"),
+        _plot_decode(result, out_dir / "decode_latency.png"),
+    ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # --model is optional on the command line (the demo's cached model) though the config
+    # needs one, so it is written here rather than generated.
     p.add_argument(
         "--model", default=None, help="local HF model directory (default: the demo's `small` model)"
     )
-    p.add_argument("--dtype", default="float32")
+    add_flags(p, ProfileConfig, exclude=("model",))
     p.add_argument(
-        "--lengths",
-        type=_int_list,
-        default=DEFAULT_LENGTHS,
-        help="prompt lengths to prefill, comma-separated",
+        "--out",
+        default=DEFAULT_OUT,
+        help="directory for profile.json and the PNGs (default: %(default)s)",
     )
-    p.add_argument(
-        "--positions",
-        type=_int_list,
-        default=None,
-        help="decode positions to report (default: 12 evenly spaced)",
-    )
-    p.add_argument(
-        "--max-position",
-        type=int,
-        default=None,
-        help="grow the decode sequence to this many tokens (default: context window)",
-    )
-    p.add_argument("--repeats", type=int, default=3, help="prefill runs per length (median)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (one worker's share)")
-    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for profile.json and the PNGs")
 
 
 def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
-        from cluster.demo import demo_model
+        from engine.make_model import cached_model
 
-        model = str(demo_model(args.seed))
+        model = str(cached_model(seed=args.seed))
     try:
         cfg = ProfileConfig(
-            model=str(model),
-            dtype=args.dtype,
-            lengths=args.lengths,
-            positions=args.positions,
-            max_position=args.max_position,
-            repeats=args.repeats,
-            threads=args.threads,
-            seed=args.seed,
-            load_format=args.load_format,
-            attention_backend=args.attention_backend,
+            model=str(model), **values_from_args(ProfileConfig, args, exclude=("model",))
         )
         result = profile_model(cfg, log=lambda m: print(m, flush=True))
     except (ValueError, FileNotFoundError) as e:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from bench.profile import ProfileConfig, profile_model
 from cluster import cli
-from cluster.profile import ProfileConfig, profile_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

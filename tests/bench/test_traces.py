@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.traces import (
+from bench.traces import (
     TraceRequest,
     load_trace,
     parse_timestamp,
@@ -35,8 +35,7 @@ def small_csv(tmp_path: Path) -> Path:
 
 def test_load_small_trace_relative_arrivals_and_lengths(small_csv):
     t = load_trace(small_csv)
-    assert [(r.prompt_len, r.output_len) for r in t] == [(4808, 10), (3180, 8), (7, 1),
-                                                         (100, 250)]
+    assert [(r.prompt_len, r.output_len) for r in t] == [(4808, 10), (3180, 8), (7, 1), (100, 250)]
     arrivals = [r.arrival_s for r in t]
     assert arrivals == pytest.approx([0.0, 0.052, 2.0000001, 60.5], abs=1e-9)
     assert arrivals[0] == 0.0
@@ -90,8 +89,7 @@ def test_scale_trace_lengths_times_caps_and_count(small_csv):
     assert [(r.prompt_len, r.output_len) for r in capped] == [(1000, 9), (1000, 8), (7, 1)]
     assert scale_trace(t) == t
     assert t[0].prompt_len == 4808  # the input is not mutated
-    for bad in ({"length_scale": 0}, {"time_scale": -1}, {"max_input": 0},
-                {"num_requests": 0}):
+    for bad in ({"length_scale": 0}, {"time_scale": -1}, {"max_input": 0}, {"num_requests": 0}):
         with pytest.raises(ValueError):
             scale_trace(t, **bad)
 
@@ -131,8 +129,9 @@ def test_real_code_trace():
     assert 25 < s.mean_output_len < 31
     first = load_trace(CODE, limit=100)
     assert first == t[:100]
-    scaled = scale_trace(t, length_scale=0.05, time_scale=10.0, max_input=128, max_output=16,
-                         num_requests=50)
+    scaled = scale_trace(
+        t, length_scale=0.05, time_scale=10.0, max_input=128, max_output=16, num_requests=50
+    )
     assert len(scaled) == 50
     assert (scaled[0].prompt_len, scaled[0].output_len) == (128, 1)  # 240.4 capped; 0.5 -> 1
     assert scaled[1].arrival_s == pytest.approx(0.52, abs=1e-8)

@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from cluster.bench_metrics import RequestRecord
+from bench.metrics import RequestRecord
 
 TTFT_CDF = "ttft_cdf.png"
 TPOT_CDF = "tpot_cdf.png"

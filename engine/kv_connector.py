@@ -1,0 +1,44 @@
+"""The engine's side of a KV hand-off between pools, as an interface the workers implement.
+
+The engine decides *when* and *which blocks* (one scheduler, one block pool, one admission
+policy); the worker decides *how the bytes move* (kv_transfer, NIXL). This is vLLM v1's split
+of a KV connector into a scheduler-side and a worker-side half, reduced to two calls:
+
+- prefill role: when a request's prompt is done and its first token sampled (and it is not
+  already finished), the engine marks it PREFILLED (its blocks stay allocated) and calls
+  `on_prefilled(handoff)`. The connector takes ownership of those blocks for the hand-off and
+  later gives them back with `LLMEngine.release(request_id)`; returning False refuses the
+  hand-off, and the engine frees the blocks at once.
+- decode role: a request whose prompt KV comes from a peer (`LLMEngine.add_remote_request`)
+  waits in the scheduler's queue like any other; when the scheduler admits it, blocks are
+  allocated, the request enters REMOTE_KV, and the engine calls
+  `on_remote_admitted(request_id, block_ids)`. The connector fills those blocks and then calls
+  `LLMEngine.commit_remote` (the KV landed), `LLMEngine.recompute_remote` (it did not: prefill
+  the prompt here) or `LLMEngine.abort`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(slots=True, frozen=True)
+class Handoff:
+    """A prefilled request whose KV is ready to move: `block_ids` hold `num_tokens` tokens of
+    prompt KV (the first token's KV is computed by whoever decodes it)."""
+
+    request_id: str
+    block_ids: list[int]
+    first_token: int
+    num_tokens: int
+
+
+class KVConnector(Protocol):
+    def on_prefilled(self, handoff: Handoff) -> bool:
+        """Prefill role: hold `handoff.block_ids` for a peer. False: refuse (blocks freed)."""
+        ...
+
+    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+        """Decode role: the scheduler admitted the request; start filling `block_ids`."""
+        ...

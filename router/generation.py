@@ -1,0 +1,233 @@
+"""One request from dispatch to its last piece of text: `Generation`.
+
+Lifecycle: route (decode worker, local or remote prefill; counted) -> register a token queue ->
+send GenerateRequest or PrefillRequest -> wait for TokenMessages, failing the request when an
+index gap outlives `token_gap_timeout_s` or the request outlives `request_timeout_s` -> deliver
+them in index order -> detokenize, apply stop strings and the token limit -> yield `Piece`s
+until one carries a finish reason. Whatever way it ends before the workers said they finished
+(stop string, error, timeout, or the caller closing the generator because the client went
+away), AbortRequest goes to every worker involved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
+from router.config import RouterConfig
+from router.dataplane import DataPlane, SendError
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.openai_api import ParsedRequest
+from router.policy import LOCAL, NoWorkersError, RoutePlan
+from router.pool import WorkerPool
+from router.reorder import Delivery, ReorderError, TokenReorderBuffer
+from router.responses import Placement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Piece:
+    """Text that became ready for the client, with the tokens behind it."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class GenerationContext:
+    """What every Generation of one server shares."""
+
+    config: RouterConfig
+    pool: WorkerPool
+    dataplane: DataPlane
+    metrics: RouterMetrics
+    tokenizer: Any
+    # Runs a fire-and-forget coroutine (the abort) that the server awaits on stop().
+    spawn: Callable[[Coroutine[Any, Any, None]], None]
+
+
+class Generation:
+    """Iterate `pieces()` once (under `contextlib.aclosing`, so an early exit aborts)."""
+
+    def __init__(
+        self, ctx: GenerationContext, parsed: ParsedRequest, rid: str, arrival: float
+    ) -> None:
+        self.ctx = ctx
+        self.parsed = parsed
+        self.rid = rid
+        self.arrival = arrival  # time.monotonic(), the clock the event loop's time() reads
+        self.placement: Placement | None = None
+        self.num_tokens = 0
+        self._deadline = arrival + ctx.config.request_timeout_s
+        self._reorder = TokenReorderBuffer()
+        self._detok = IncrementalDetokenizer(ctx.tokenizer, parsed.stop)
+        self._workers_done = False  # True once no worker can still be running the request
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._delivered_at = arrival
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        plan = await self._route()
+        queue = self.ctx.dataplane.register(self.rid)
+        self.ctx.pool.track(self.rid, plan)
+        try:
+            await self._dispatch(plan)
+            while True:
+                for delivery in await self._next_deliveries(queue):
+                    piece = self._deliver(delivery, plan)
+                    yield piece
+                    if piece.finish_reason is not None:
+                        self._observe_end()
+                        return
+        finally:
+            self._close(plan)
+
+    async def _route(self) -> RoutePlan:
+        ctx = self.ctx
+        try:
+            plan = await ctx.pool.route(self.parsed.prompt_ids)
+        except NoWorkersError as e:
+            raise APIError(503, f"{e}; try again later", code="no_workers") from e
+        ctx.metrics.disagg.labels(path=plan.path).inc()
+        self.placement = Placement(
+            plan.path, (plan.prefill or plan.decode).worker_id, plan.decode.worker_id
+        )
+        ctx.metrics.prompt_tokens.inc(len(self.parsed.prompt_ids))
+        return plan
+
+    async def _dispatch(self, plan: RoutePlan) -> None:
+        parsed, dataplane = self.parsed, self.ctx.dataplane
+        reply_to = dataplane.reply_endpoint
+        try:
+            if plan.prefill is None:
+                request: Any = GenerateRequest(
+                    self.rid, parsed.prompt_ids, parsed.sampling, reply_to
+                )
+                await dataplane.send(plan.decode.request_endpoint, request)
+            else:
+                request = PrefillRequest(
+                    self.rid,
+                    parsed.prompt_ids,
+                    parsed.sampling,
+                    reply_to,
+                    decode_worker_id=plan.decode.worker_id,
+                    decode_endpoint=plan.decode.request_endpoint,
+                )
+                await dataplane.send(plan.prefill.request_endpoint, request)
+        except SendError as e:
+            raise APIError(503, str(e), code="worker_unreachable") from e
+
+    async def _next_deliveries(self, queue: asyncio.Queue[TokenMessage]) -> list[Delivery]:
+        """Wait for the next message within the deadlines; what it made deliverable, in order
+        (often nothing: a message ahead of a gap is only buffered)."""
+        loop = asyncio.get_running_loop()
+        gap_timeout_s = self.ctx.config.token_gap_timeout_s
+        while True:
+            now = loop.time()
+            gap_deadline = self._reorder.gap_deadline(gap_timeout_s)
+            if gap_deadline is not None and now >= gap_deadline:
+                raise APIError(
+                    500,
+                    f"token stream of request {self.rid} has a gap at index "
+                    f"{self._reorder.next_index} older than {gap_timeout_s}s",
+                    code="token_gap",
+                )
+            if now >= self._deadline:
+                raise APIError(
+                    504,
+                    f"request {self.rid} timed out after {self.ctx.config.request_timeout_s}s",
+                    code="timeout",
+                )
+            wait = min(self._deadline, math.inf if gap_deadline is None else gap_deadline) - now
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
+            except TimeoutError:
+                continue
+            try:
+                return self._reorder.push(msg, loop.time())
+            except ReorderError as e:
+                raise APIError(500, f"request {self.rid}: {e}", code="token_reorder") from e
+
+    def _deliver(self, d: Delivery, plan: RoutePlan) -> Piece:
+        """Account for one in-order delivery and turn it into text (raises on a worker's
+        error or abort)."""
+        if d.finish_reason in ("error", "abort"):
+            # Remote: the other worker may still hold the request, so it still gets an abort.
+            self._workers_done = plan.path == LOCAL
+            raise self._worker_failure(d)
+        max_tokens = self.parsed.sampling.max_tokens
+        tokens = d.token_ids[: max_tokens - self.num_tokens]
+        finish = d.finish_reason
+        self._workers_done = finish is not None
+        self._observe_tokens(len(tokens))
+        detok = self._detok
+        text = detok.add(tokens)
+        if detok.stopped:
+            finish = "stop"
+        elif self.num_tokens >= max_tokens and finish is None:
+            finish = "length"  # the worker overran; cut it off here
+        if finish is not None and not detok.stopped:
+            text += detok.finish()
+            if detok.stopped:
+                finish = "stop"
+        return Piece(text, len(tokens), finish)
+
+    def _worker_failure(self, d: Delivery) -> APIError:
+        worker = d.worker_id or "?"
+        if d.finish_reason == "error":
+            return APIError(
+                500,
+                f"worker {worker} failed request {self.rid}: {d.error or 'unknown error'}",
+                code="worker_error",
+            )
+        return APIError(
+            503,
+            f"worker {worker} aborted request {self.rid}: {d.error or 'no reason given'}",
+            code="worker_abort",
+        )
+
+    def _observe_tokens(self, count: int) -> None:
+        metrics = self.ctx.metrics
+        now = asyncio.get_running_loop().time()
+        self._delivered_at = now
+        if count:
+            if self._first_at is None:
+                self._first_at = now
+                metrics.ttft.observe(now - self.arrival)
+            elif self._last_at is not None:
+                metrics.itl.observe(now - self._last_at)
+            self._last_at = now
+        self.num_tokens += count
+        metrics.generation_tokens.inc(count)
+
+    def _observe_end(self) -> None:
+        # Timed at the last delivery, not after the caller wrote the last piece out.
+        metrics, end = self.ctx.metrics, self._delivered_at
+        metrics.e2e.observe(end - self.arrival)
+        if self._first_at is not None and self.num_tokens > 1:
+            metrics.tpot.observe((end - self._first_at) / (self.num_tokens - 1))
+
+    def _close(self, plan: RoutePlan) -> None:
+        self.ctx.dataplane.unregister(self.rid)
+        self.ctx.pool.forget(self.rid)
+        if not self._workers_done:
+            targets = [plan.decode.request_endpoint]
+            if plan.prefill is not None:
+                targets.append(plan.prefill.request_endpoint)
+            self.ctx.spawn(self._abort(targets))
+
+    async def _abort(self, endpoints: list[str]) -> None:
+        for endpoint in endpoints:
+            try:
+                await self.ctx.dataplane.send(endpoint, AbortRequest(self.rid))
+            except Exception as e:  # noqa: BLE001 - best effort: the worker may be gone
+                log.warning("could not send abort for %s to %s: %s", self.rid, endpoint, e)

@@ -1,0 +1,60 @@
+"""Helpers the e2e tests import (kept out of conftest.py so they can be imported by name)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def kv_block_bytes(model: Path, block_size: int = 16, dtype_bytes: int = 4) -> int:
+    """Bytes of one KV block of `model` (every layer's K and V): what a hand-off moves."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+
+
+class TransferCheck:
+    """Proof that remote requests were served from transferred KV: snapshot the decode
+    pool's counters before a batch, then `verify(prompt_lengths)` after it."""
+
+    def __init__(self, server, model: Path, block_size: int = 16):
+        self.server, self.model, self.block_size = server, model, block_size
+        self.before = self._settled()
+
+    def _settled(self, timeout: float = 15.0) -> dict[str, float]:
+        """The counters once the load reports of earlier requests have reached /metrics
+        (they lag by up to a directory refresh): unchanged across two refreshes."""
+        deadline = time.time() + timeout
+        last = self._read()
+        while time.time() < deadline:
+            time.sleep(1.2)
+            now = self._read()
+            if now == last:
+                return now
+            last = now
+        raise AssertionError(f"transfer counters never settled: {last}")
+
+    def _read(self) -> dict[str, float]:
+        names = (
+            "tandem_kv_remote_prefills_total",
+            "tandem_kv_recomputes_total",
+            "tandem_kv_transfer_failures_total",
+            "tandem_kv_transfer_bytes_total",
+        )
+        return {n: self.server.counter(n, "decode") for n in names}
+
+    def verify(self, remote_prompt_lengths: list[int]) -> None:
+        n = len(remote_prompt_lengths)
+        assert n > 0, "the batch had no remote requests: nothing would be proved"
+        want = self.before["tandem_kv_remote_prefills_total"] + n
+        self.server.wait_counter("tandem_kv_remote_prefills_total", "decode", want)
+        delta = {k: v - self.before[k] for k, v in self._read().items()}
+        assert delta["tandem_kv_recomputes_total"] == 0, f"prompts were recomputed: {delta}"
+        assert delta["tandem_kv_transfer_failures_total"] == 0, f"transfers failed: {delta}"
+        assert delta["tandem_kv_remote_prefills_total"] == n, delta
+        blocks = sum(-(-length // self.block_size) for length in remote_prompt_lengths)
+        expected = blocks * kv_block_bytes(self.model, self.block_size)
+        assert delta["tandem_kv_transfer_bytes_total"] == expected, (delta, expected)

@@ -1,0 +1,135 @@
+"""The import graph of `engine/`: no cycles among module-level imports, and the quantization
+math stays a leaf. Read from the sources with `ast` (nothing is imported), so a cycle shows up
+as a failing test rather than as a partially initialised module at some later import."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
+
+
+def _module_names() -> dict[str, Path]:
+    """Dotted name -> source file for every module under engine/."""
+    out = {}
+    for path in ENGINE.rglob("*.py"):
+        parts = list(path.relative_to(ENGINE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_time_nodes(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    """Import statements that run when the module is imported: top level, inside top-level
+    if/try/with blocks and class bodies; not inside functions, not under TYPE_CHECKING."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        elif isinstance(node, ast.If):
+            if not _is_type_checking(node):
+                found += _import_time_nodes(node.body)
+            found += _import_time_nodes(node.orelse)
+        elif isinstance(node, ast.Try):
+            for block in (node.body, node.orelse, node.finalbody):
+                found += _import_time_nodes(block)
+            for handler in node.handlers:
+                found += _import_time_nodes(handler.body)
+        elif isinstance(node, ast.With | ast.ClassDef):
+            found += _import_time_nodes(node.body)
+    return found
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_pkg: bool) -> list[str]:
+    """Dotted names a statement imports; `from pkg import sub` names the submodule."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: resolve against this module's package
+        package = module.split(".") if is_pkg else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join([*package, base] if base else package)
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _module_names()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        edges = set()
+        for node in _import_time_nodes(tree.body):
+            for target in _targets(node, name, path.name == "__init__.py"):
+                if target in modules and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge found by a depth-first search (empty when acyclic)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_engine_module_level_imports_have_no_cycle():
+    graph = _graph()
+    assert "engine.models.llama" in graph and graph["engine.models.llama"]
+    assert _cycles(graph) == []
+
+
+def test_quantization_is_a_leaf():
+    graph = _graph()
+    assert graph["engine.quantization"] == set()
+    assert "engine.models.linear" in graph["engine.models.llama"]
+    assert "engine.quantization" in graph["engine.models.linear"]
+
+
+def test_model_and_quantization_modules_import_each_other_at_module_level_only():
+    """No function-local engine imports in these three: they were how a cycle was dodged."""
+    for rel in ("models/llama.py", "models/linear.py", "quantization.py"):
+        tree = ast.parse((ENGINE / rel).read_text())
+        top = set(map(id, _import_time_nodes(tree.body)))
+        local = [
+            ast.unparse(n)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Import | ast.ImportFrom)
+            and id(n) not in top
+            and "engine" in ast.unparse(n)
+        ]
+        assert local == [], (rel, local)
