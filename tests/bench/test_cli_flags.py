@@ -109,3 +109,35 @@ def test_kv_transfer_flags_and_defaults():
     assert cfg.sizes_mb() == [8.0]
     assert KVBenchConfig().sizes_mb() == [1, 4, 16, 64, 256]
     assert KVBenchConfig(size_mb=3).sizes_mb() == [1, 3, 4, 16, 64, 256]
+
+
+def _documented_commands() -> list[list[str]]:
+    """`tandem bench ...` / `tandem profile ...` commands in the READMEs: fenced shell lines
+    (with continuations) and inline code spans."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    found = []
+    for readme in ("bench/README.md", "benchmarks/README.md", "kv_transfer/README.md"):
+        text = (repo / readme).read_text().replace("\\\n", " ")
+        spans = re.findall(r"^(tandem (?:bench|profile)\b.*)$", text, flags=re.M)
+        spans += re.findall(r"`(tandem (?:bench|profile)\b[^`]*)`", text)
+        for span in spans:
+            if "[" in span:  # a usage synopsis, not a command
+                continue
+            words = shlex.split(span.split("#")[0])
+            if len(words) > 2 or words[1] == "profile":
+                found.append(words[1:])
+    return found
+
+
+def test_every_documented_bench_command_parses():
+    commands = _documented_commands()
+    assert len(commands) >= 5, commands  # the scan found the READMEs' commands
+    for argv in commands:
+        try:
+            parse(argv)
+        except SystemExit as e:
+            raise AssertionError(f"`tandem {' '.join(argv)}` does not parse") from e

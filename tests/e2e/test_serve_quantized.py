@@ -4,10 +4,10 @@ here):
 - produce exactly the tokens of the same two engines wired in one process (fp32 prefill, KV
   copied, int8 decode): the served path adds no error of its own;
 - agree with the unquantized model's greedy tokens within a stated bound: the first token
-  always (it comes from the full-precision prefill pool), and at least 40% of all positions
-  (a random-weight model's next-token distributions are near flat, so int8 rounding flips
-  near-ties; 55% measured here). Accuracy bounds on peaked models belong to the
-  quantization benchmarks;
+  always (it comes from the full-precision prefill pool), and at least 80% of all positions
+  (92% measured here: 177 of 192; a random-weight model's next-token distributions are near
+  flat, so int8 rounding flips near-ties and greedy paths part). Accuracy bounds on peaked
+  models belong to the quantization issue's benchmarks;
 - were decoded from transferred KV (no recompute, exact bytes), and give every block back."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from engine import LLM, SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine
 
 MAX_TOKENS = 24
-MIN_AGREEMENT = 0.40
+MIN_AGREEMENT = 0.80
 
 
 def _prompts(n: int = 8) -> list[list[int]]:
