@@ -30,13 +30,15 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # allow `python benchmarks/compare_disagg.py` from anywhere
     sys.path.insert(0, str(REPO))
+
+from benchmarks.compare_report import MODES, Point, write_report  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "compare"
 
@@ -82,33 +84,6 @@ SCENARIOS: dict[str, Scenario] = {
     ),
 }
 QUICK = Scenario("chat", 48, 0.3, 12, 0.3, (2.0,), 4, 5000.0, 500.0)
-
-MODES = ("disagg", "colocated-chunked", "colocated-nochunk")
-
-
-@dataclass(slots=True)
-class Point:
-    scenario: str
-    mode: str
-    rate: float
-    completed: int
-    failed: int
-    duration_s: float
-    ttft_p50_ms: float | None
-    ttft_p99_ms: float | None
-    tpot_p50_ms: float | None
-    tpot_p99_ms: float | None
-    itl_p99_ms: float | None
-    output_tok_s: float
-    goodput_rps: float
-    request_throughput: float
-    load_avg_1m: float
-    raw_json: str = ""
-    worker_stats: dict = field(default_factory=dict)
-
-    @property
-    def key(self) -> tuple[str, str, float]:
-        return (self.scenario, self.mode, self.rate)
 
 
 def log(msg: str) -> None:
@@ -284,127 +259,12 @@ def _ms(x: float | None) -> str:
     return "   n/a" if x is None else f"{x:7.1f}ms"
 
 
-# --------------------------------------------------------------------------- reporting
-
-
-def _cell(x: float | None, digits: int = 0) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}"
-
-
-def ratios(points: list[Point]) -> list[dict]:
-    by = {p.key: p for p in points}
-    rows = []
-    for p in points:
-        if p.mode != "disagg":
-            continue
-        row = {"scenario": p.scenario, "rate": p.rate}
-        for other in ("colocated-chunked", "colocated-nochunk"):
-            q = by.get((p.scenario, other, p.rate))
-            ok = q and q.tpot_p99_ms and p.tpot_p99_ms is not None
-            row[other] = p.tpot_p99_ms / q.tpot_p99_ms if ok else None
-        rows.append(row)
-    return rows
-
-
-def markdown(points: list[Point], meta: dict) -> str:
-    lines = [
-        "| scenario | rate (req/s) | mode | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) "
-        "| TPOT p99 (ms) | output tok/s | goodput (req/s) | ok/sent |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    order = {m: i for i, m in enumerate(MODES)}
-    scen_order = {s: i for i, s in enumerate(SCENARIOS)}
-    for p in sorted(
-        points, key=lambda p: (scen_order.get(p.scenario, 9), p.rate, order.get(p.mode, 9))
-    ):
-        lines.append(
-            f"| {p.scenario} | {p.rate:g} | {p.mode} | {_cell(p.ttft_p50_ms)} | "
-            f"{_cell(p.ttft_p99_ms)} | {_cell(p.tpot_p50_ms, 1)} | {_cell(p.tpot_p99_ms, 1)} | "
-            f"{p.output_tok_s:.1f} | {p.goodput_rps:.3f} | {p.completed}/"
-            f"{p.completed + p.failed} |"
-        )
-    lines += [
-        "",
-        "TPOT p99 ratio, disagg / colocated (below 1: disaggregation has the lower tail):",
-        "",
-        "| scenario | rate (req/s) | vs colocated-chunked | vs colocated-nochunk |",
-        "|---|---|---|---|",
-    ]
-    for r in sorted(ratios(points), key=lambda r: (scen_order.get(r["scenario"], 9), r["rate"])):
-        lines.append(
-            f"| {r['scenario']} | {r['rate']:g} | {_cell(r['colocated-chunked'], 2)} | "
-            f"{_cell(r['colocated-nochunk'], 2)} |"
-        )
-    lines += ["", "Scenarios and goodput SLOs:", ""]
-    for s in meta["scenarios"]:
-        lines.append(
-            f"- {s['name']}: {s['lengths']}, {s['num_prompts']} requests per point, "
-            f"Poisson arrivals; goodput SLO TTFT <= {s['slo_ttft_ms']:g} ms and "
-            f"TPOT <= {s['slo_tpot_ms']:g} ms"
-        )
-    lines += [
-        "",
-        f"Machine: {meta['cpu']} ({meta['logical_cpus']} logical CPUs), model "
-        f"`{meta['model_name']}` {meta['dtype']}, one core per worker; 1-min load average "
-        f"during the points {meta['load_min']:.1f}-{meta['load_max']:.1f}.",
-        f"Command: `{meta['command']}`",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(points: list[Point], out: Path) -> list[Path]:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    paths = []
-    styles = {
-        "disagg": ("o-", "tab:blue"),
-        "colocated-chunked": ("s--", "tab:orange"),
-        "colocated-nochunk": ("^:", "tab:red"),
-    }
-    for scen in dict.fromkeys(p.scenario for p in points):
-        fig = Figure(figsize=(13.5, 4.0))
-        FigureCanvasAgg(fig)
-        panels = (
-            ("tpot_p99_ms", "TPOT p99 (ms)"),
-            ("ttft_p50_ms", "TTFT p50 (ms)"),
-            ("goodput_rps", "goodput (req/s)"),
-        )
-        for i, (attr, label) in enumerate(panels):
-            ax = fig.add_subplot(1, 3, i + 1)
-            for mode in MODES:
-                pts = sorted(
-                    (p for p in points if p.scenario == scen and p.mode == mode),
-                    key=lambda p: p.rate,
-                )
-                xy = [(p.rate, getattr(p, attr)) for p in pts if getattr(p, attr) is not None]
-                if xy:
-                    style, color = styles[mode]
-                    ax.plot(*zip(*xy, strict=True), style, color=color, label=mode)
-            ax.set_xlabel("request rate (req/s)")
-            ax.set_ylabel(label)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            if i == 0:
-                ax.legend(fontsize=8)
-        sc = SCENARIOS.get(scen)
-        fig.suptitle(f"{scen}" + (f" ({sc.lengths_text})" if sc else ""))
-        fig.tight_layout()
-        path = out / f"compare_{scen}.png"
-        fig.savefig(path, dpi=100)
-        paths.append(path)
-    return paths
-
-
-# --------------------------------------------------------------------------- CLI
-
-
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """What to measure and where the results go."""
     p.add_argument("--model", default=None, help="model directory (default: the demo `small`)")
     p.add_argument(
         "--quick",
@@ -430,6 +290,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="keep points of an earlier compare.json in --out that this run does not remeasure",
     )
+
+
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """How each deployment is configured."""
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     p.add_argument(
@@ -452,7 +316,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--kv-cache-gb", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Split the comma-separated selections and reject unknown names (p.error exits)."""
     if args.num_prompts is not None and args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")
     args.scenarios = [s for s in args.scenarios.split(",") if s]
@@ -463,6 +330,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for m in args.modes:
         if m not in MODES:
             p.error(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    _add_run_flags(p)
+    _add_deployment_flags(p)
+    args = p.parse_args(argv)
+    _check_args(p, args)
     return args
 
 
@@ -489,43 +364,36 @@ def _reported(scenarios: list[Scenario], points: list[Point]) -> list[Scenario]:
     return list(named.values())
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from engine.config import ModelConfig
-    from engine.make_model import cached_model
-
-    model = str(Path(args.model) if args.model else cached_model())
-    mc = ModelConfig.from_pretrained(model)
-    scenarios = chosen_scenarios(args)
+def _check_lengths(scenarios: list[Scenario], model: str, max_position: int) -> None:
+    """Exit before starting anything if a scenario's longest request does not fit the model."""
     for sc in scenarios:
         need = math.floor(sc.input_len * (1 + sc.input_range)) + math.floor(
             sc.output_len * (1 + sc.output_range)
         )
-        if need > mc.max_position:
-            raise SystemExit(f"{sc.name} needs {need} tokens; {model} holds {mc.max_position}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    command = "python benchmarks/compare_disagg.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
-    t0 = time.perf_counter()
-    log(
-        f"model {model}; modes {args.modes}; scenarios "
-        + "; ".join(f"{s.name} rates {s.rates} x {s.num_prompts}" for s in scenarios)
-    )
-    points: list[Point] = []
-    for mode in args.modes:
-        points += run_mode(mode, model, scenarios, args, out, mc.vocab_size)
-    if args.merge and (out / "compare.json").is_file():
-        new = {p.key for p in points}
-        old = json.loads((out / "compare.json").read_text())["points"]
-        kept = [Point(**d) for d in old if (d["scenario"], d["mode"], d["rate"]) not in new]
-        points = kept + points
-    loads = [p.load_avg_1m for p in points]
+        if need > max_position:
+            raise SystemExit(f"{sc.name} needs {need} tokens; {model} holds {max_position}")
+
+
+def _merge_earlier(points: list[Point], out: Path) -> list[Point]:
+    """The points of an earlier compare.json in `out` that this run did not remeasure, then
+    this run's points."""
+    if not (out / "compare.json").is_file():
+        return points
+    new = {p.key for p in points}
+    old = json.loads((out / "compare.json").read_text())["points"]
+    kept = [Point(**d) for d in old if (d["scenario"], d["mode"], d["rate"]) not in new]
+    return kept + points
+
+
+def build_meta(
+    args, model: str, command: str, t0: float, scenarios: list[Scenario], points: list[Point]
+) -> dict:
+    """The run's description: machine, model, settings, scenarios and load range."""
     from benchmarks.common import machine_info
 
+    loads = [p.load_avg_1m for p in points]
     machine = machine_info(1)
-    meta = {
+    return {
         "model": model,
         "model_name": Path(model).name,
         "dtype": args.dtype,
@@ -548,19 +416,34 @@ def main(argv: list[str] | None = None) -> int:
             {**asdict(s), "lengths": s.lengths_text} for s in _reported(scenarios, points)
         ],
     }
-    doc = {
-        "meta": meta,
-        "points": [asdict(p) for p in points],
-        "tpot_p99_ratio_disagg_over_colocated": ratios(points),
-    }
-    (out / "compare.json").write_text(json.dumps(doc, indent=2) + "\n")
-    md = markdown(points, meta)
-    (out / "compare.md").write_text(md)
-    pngs = plot(points, out)
-    print()
-    print(md)
-    for path in [out / "compare.json", out / "compare.md", *pngs]:
-        print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from engine.config import ModelConfig
+    from engine.make_model import cached_model
+
+    model = str(Path(args.model) if args.model else cached_model())
+    mc = ModelConfig.from_pretrained(model)
+    scenarios = chosen_scenarios(args)
+    _check_lengths(scenarios, model, mc.max_position)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python benchmarks/compare_disagg.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    t0 = time.perf_counter()
+    log(
+        f"model {model}; modes {args.modes}; scenarios "
+        + "; ".join(f"{s.name} rates {s.rates} x {s.num_prompts}" for s in scenarios)
+    )
+    points: list[Point] = []
+    for mode in args.modes:
+        points += run_mode(mode, model, scenarios, args, out, mc.vocab_size)
+    if args.merge:
+        points = _merge_earlier(points, out)
+    meta = build_meta(args, model, command, t0, scenarios, points)
+    write_report(points, meta, out, SCENARIOS)
     log(f"done in {time.perf_counter() - t0:.0f}s")
     return 0 if all(p.completed > 0 for p in points) else 1
 

@@ -155,7 +155,7 @@ def run_hf_single(model, reqs, subset: list[int]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (tiny model)")
     ap.add_argument("--json", type=str, default=None, help="write results here")
@@ -176,34 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    _fill_defaults(args)
+    return args
 
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Replace unset sizes with the --quick (tiny model) or full-run defaults."""
     q = args.quick
-    preset = args.preset or ("tiny" if q else "small")
-    n = args.num_requests or (8 if q else 64)
-    prange = tuple(args.prompt_len or ((8, 48) if q else (32, 256)))
-    orange = tuple(args.output_len or ((4, 16) if q else (16, 192)))
-    hf_bs = args.hf_batch_size or (4 if q else 16)
-    n_single = min(n, args.hf_single_requests or (2 if q else 16))
-
-    set_threads(args.threads)
-    import torch
-
-    torch.manual_seed(args.seed)
-    model_dir = (
-        Path(args.model_dir)
-        if args.model_dir
-        else cached_model(args.arch, preset, cache_dir=CACHE_DIR)
+    args.preset = args.preset or ("tiny" if q else "small")
+    args.num_requests = args.num_requests or (8 if q else 64)
+    args.prompt_len = tuple(args.prompt_len or ((8, 48) if q else (32, 256)))
+    args.output_len = tuple(args.output_len or ((4, 16) if q else (16, 192)))
+    args.hf_batch_size = args.hf_batch_size or (4 if q else 16)
+    args.hf_single_requests = min(
+        args.num_requests, args.hf_single_requests or (2 if q else 16)
     )
-    from engine.config import ModelConfig
 
-    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
-    reqs = make_requests(n, prange, orange, vocab, args.seed)
-    subset = sorted(random.Random(args.seed + 1).sample(range(n), n_single))
-    info = machine_info(args.threads)
-    log(f"offline throughput: {n} requests, prompts {prange[0]}-{prange[1]}, outputs "
-        f"{orange[0]}-{orange[1]} (ignore_eos, greedy), model {model_dir.name}, {args.dtype}, "
-        f"{args.threads} threads, load {info['load_avg_1_5_15'][0]:.2f}")
 
+def measure(model_dir: Path, reqs, subset: list[int], args) -> tuple[dict, dict, dict]:
+    """The three timed phases, in order: tandem, HF static batches, HF one at a time."""
     log("[1/3] tandem LLM.generate (all requests at once)")
     tandem = run_tandem(model_dir, reqs, args.dtype, args.max_num_batched_tokens)
     log(f"  tandem: {tandem['output_tokens']} tokens in {tandem['seconds']:.2f}s = "
@@ -211,29 +202,36 @@ def main(argv: list[str] | None = None) -> int:
 
     hf = _hf_model(model_dir, args.dtype)
     _hf_generate(hf, [reqs[0][0][:8]], 2)  # warm-up
-    log(f"[2/3] transformers generate, static padded batches of {hf_bs}")
-    batched = run_hf_batched(hf, reqs, hf_bs, args.hf_max_batches)
+    log(f"[2/3] transformers generate, static padded batches of {args.hf_batch_size}")
+    batched = run_hf_batched(hf, reqs, args.hf_batch_size, args.hf_max_batches)
     log(f"  hf batched: {batched['output_tokens']} useful tokens in {batched['seconds']:.2f}s = "
         f"{batched['output_tokens_per_s']:.1f} tok/s")
-    log(f"[3/3] transformers generate, one request at a time ({n_single} of {n} requests, "
-        f"seeded random subset)")
+    log(f"[3/3] transformers generate, one request at a time ({len(subset)} of {len(reqs)} "
+        f"requests, seeded random subset)")
     single = run_hf_single(hf, reqs, subset)
     log(f"  hf single: {single['output_tokens']} tokens in {single['seconds']:.2f}s = "
         f"{single['output_tokens_per_s']:.1f} tok/s")
+    return tandem, batched, single
 
+
+def build_result(args, model_dir: Path, info: dict, reqs, subset: list[int], tandem: dict,
+                 batched: dict, single: dict) -> dict:
+    """The JSON report: config, the three measurements, their ratios and the goals."""
     # Informational: in bf16, tie-breaks differ between kernels, so greedy paths may part.
     same = sum(tandem["outputs"][i] == single["outputs"][i] for i in subset)
     vs_batched = tandem["output_tokens_per_s"] / batched["output_tokens_per_s"]
     vs_single = tandem["output_tokens_per_s"] / single["output_tokens_per_s"]
-    result = {
+    return {
         "benchmark": "offline_throughput",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": info,
         "load_avg_after": load_avg(),
         "config": {
-            "model": model_dir.name, "arch": args.arch, "preset": preset, "dtype": args.dtype,
-            "num_requests": n, "prompt_len": list(prange), "output_len": list(orange),
-            "seed": args.seed, "hf_batch_size": hf_bs, "hf_single_requests": n_single,
+            "model": model_dir.name, "arch": args.arch, "preset": args.preset,
+            "dtype": args.dtype, "num_requests": args.num_requests,
+            "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+            "seed": args.seed, "hf_batch_size": args.hf_batch_size,
+            "hf_single_requests": args.hf_single_requests,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "total_prompt_tokens": sum(len(p) for p, _ in reqs),
             "total_output_tokens": sum(o for _, o in reqs),
@@ -248,18 +246,54 @@ def main(argv: list[str] | None = None) -> int:
         "goal_vs_hf_single": GOAL_VS_SINGLE,
         "meets_goals": vs_batched >= GOAL_VS_BATCHED and vs_single >= GOAL_VS_SINGLE,
     }
+
+
+def print_summary(result: dict) -> None:
+    """The tok/s table, the ratios against the goals and the greedy-agreement count."""
+    hf_bs = result["config"]["hf_batch_size"]
+    n_single = result["config"]["hf_single_requests"]
     print()
     print(f"{'system':<40}{'output tok/s':>14}")
-    print(f"{'tandem (continuous batching)':<40}{tandem['output_tokens_per_s']:>14.1f}")
+    print(f"{'tandem (continuous batching)':<40}{result['tandem']['output_tokens_per_s']:>14.1f}")
     print(f"{f'HF generate, padded batches of {hf_bs}':<40}"
-          f"{batched['output_tokens_per_s']:>14.1f}")
+          f"{result['hf_batched']['output_tokens_per_s']:>14.1f}")
     print(f"{f'HF generate, one at a time ({n_single} reqs)':<40}"
-          f"{single['output_tokens_per_s']:>14.1f}")
-    print(f"ratio vs padded batches: {vs_batched:.2f}x (goal >= {GOAL_VS_BATCHED}x)")
-    print(f"ratio vs one at a time:  {vs_single:.2f}x (goal >= {GOAL_VS_SINGLE}x)")
-    print(f"greedy outputs equal to HF one-at-a-time: {same}/{len(subset)} "
+          f"{result['hf_single']['output_tokens_per_s']:>14.1f}")
+    print(f"ratio vs padded batches: {result['ratio_vs_hf_batched']:.2f}x "
+          f"(goal >= {GOAL_VS_BATCHED}x)")
+    print(f"ratio vs one at a time:  {result['ratio_vs_hf_single']:.2f}x "
+          f"(goal >= {GOAL_VS_SINGLE}x)")
+    print(f"greedy outputs equal to HF one-at-a-time: {result['greedy_outputs_equal_hf_single']} "
           f"(bf16 kernels may break ties differently)")
     print(f"load average now: {result['load_avg_after']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    n, prange, orange = args.num_requests, args.prompt_len, args.output_len
+
+    set_threads(args.threads)
+    import torch
+
+    torch.manual_seed(args.seed)
+    model_dir = (
+        Path(args.model_dir)
+        if args.model_dir
+        else cached_model(args.arch, args.preset, cache_dir=CACHE_DIR)
+    )
+    from engine.config import ModelConfig
+
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    reqs = make_requests(n, prange, orange, vocab, args.seed)
+    subset = sorted(random.Random(args.seed + 1).sample(range(n), args.hf_single_requests))
+    info = machine_info(args.threads)
+    log(f"offline throughput: {n} requests, prompts {prange[0]}-{prange[1]}, outputs "
+        f"{orange[0]}-{orange[1]} (ignore_eos, greedy), model {model_dir.name}, {args.dtype}, "
+        f"{args.threads} threads, load {info['load_avg_1_5_15'][0]:.2f}")
+
+    tandem, batched, single = measure(model_dir, reqs, subset, args)
+    result = build_result(args, model_dir, info, reqs, subset, tandem, batched, single)
+    print_summary(result)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")

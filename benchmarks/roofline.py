@@ -274,7 +274,7 @@ def run_dtype(model_dir, dtype, args, probe: BandwidthProbe, peak) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="small smoke run (tiny model)")
     ap.add_argument("--json", type=str, default=None)
@@ -298,39 +298,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gemm-n", type=int, default=None, help="matmul size (2048)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    _fill_defaults(args)
+    return args
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Replace unset sizes with the --quick (tiny model) or full-run defaults."""
     q = args.quick
-    preset = args.preset or ("tiny" if q else "small")
+    args.preset = args.preset or ("tiny" if q else "small")
     args.context = args.context or (64 if q else 256)
     args.steps = args.steps or (8 if q else 64)
     args.prefill_tokens = args.prefill_tokens or (128 if q else 512)
     args.prefill_reps = args.prefill_reps or (2 if q else 7)
-    bw_mib = args.bw_mib or (128 if q else 1024)
-    gemm_n = args.gemm_n or (512 if q else 2048)
-    also = args.also if args.also is not None else ([] if q else ["float32"])
+    args.bw_mib = args.bw_mib or (128 if q else 1024)
+    args.gemm_n = args.gemm_n or (512 if q else 2048)
+    args.also = args.also if args.also is not None else ([] if q else ["float32"])
 
-    set_threads(args.threads)
-    model_dir = (
-        Path(args.model_dir)
-        if args.model_dir
-        else cached_model(args.arch, preset, cache_dir=CACHE_DIR)
-    )
-    info = machine_info(args.threads)
-    log(f"roofline: model {model_dir.name}, {args.threads} threads, load "
-        f"{info['load_avg_1_5_15'][0]:.2f}")
-    log(f"measuring read bandwidth ({bw_mib} MiB float32 sum)")
-    probe = BandwidthProbe(bw_mib, 5 if q else 10)
+
+def measure_limits(args) -> tuple[BandwidthProbe, dict, dict]:
+    """The machine's first read bandwidth and GEMM peak measurements (re-measured later)."""
+    q = args.quick
+    log(f"measuring read bandwidth ({args.bw_mib} MiB float32 sum)")
+    probe = BandwidthProbe(args.bw_mib, 5 if q else 10)
     bw = probe.measure()
     log(f"  {bw['best_bytes_per_s'] / 1e9:.1f} GB/s best, "
         f"{bw['median_bytes_per_s'] / 1e9:.1f} GB/s median")
-    log(f"measuring GEMM peak ({gemm_n}^3 matmul)")
-    peak = measure_gemm_peak(gemm_n, 3 if q else 8)
+    log(f"measuring GEMM peak ({args.gemm_n}^3 matmul)")
+    peak = measure_gemm_peak(args.gemm_n, 3 if q else 8)
     log(f"  bf16 {peak['bfloat16']['best_flops'] / 1e9:.1f} GFLOP/s, fp32 "
         f"{peak['float32']['best_flops'] / 1e9:.1f} GFLOP/s")
+    return probe, bw, peak
 
+
+def measure_dtypes(model_dir: Path, args, probe: BandwidthProbe, bw: dict,
+                   peak: dict) -> tuple[dict, dict]:
+    """Decode and prefill per dtype, then every fraction against the best limits of the run.
+    Returns (results per dtype, the merged GEMM peak); updates `bw` with the best probe."""
     results = {}
-    for dtype in [args.dtype, *[d for d in also if d != args.dtype]]:
+    for dtype in [args.dtype, *[d for d in args.also if d != args.dtype]]:
         results[dtype] = run_dtype(model_dir, dtype, args, probe, peak)
-        peak = merge_peaks(peak, measure_gemm_peak(gemm_n, 3 if q else 5))  # shared box: retry
+        # Shared box: re-measure the peak after each dtype and keep the better one.
+        peak = merge_peaks(peak, measure_gemm_peak(args.gemm_n, 3 if args.quick else 5))
     for r in results.values():
         apply_peak(r["prefill"], peak)
     # Every decode fraction against the best bandwidth seen in the run.
@@ -339,10 +347,14 @@ def main(argv: list[str] | None = None) -> int:
     for r in results.values():
         for d in r["decode"].values():
             apply_bound(d, probe.best)
+    return results, peak
 
-    main_r = results[args.dtype]
-    b1 = main_r["decode"].get("1")
-    result = {
+
+def build_result(args, model_dir: Path, info: dict, bw: dict, peak: dict,
+                 results: dict) -> dict:
+    """The JSON report: config, the machine's limits, every phase and the decode goal."""
+    b1 = results[args.dtype]["decode"].get("1")
+    return {
         "benchmark": "roofline",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": info,
@@ -350,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {
             "model": model_dir.name, "dtype": args.dtype, "batches": args.batches,
             "context": args.context, "steps": args.steps, "prefill_tokens": args.prefill_tokens,
-            "bw_mib": bw_mib, "gemm_n": gemm_n, "quantization": args.quantization,
+            "bw_mib": args.bw_mib, "gemm_n": args.gemm_n, "quantization": args.quantization,
         },
         "read_bandwidth": bw,
         "gemm_peak": peak,
@@ -359,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
         "goal_decode_b1_fraction": GOAL_DECODE_B1,
         "meets_goal": bool(b1 and b1["fraction_of_bound"] >= GOAL_DECODE_B1),
     }
+
+
+def print_summary(result: dict) -> None:
+    """The limits line, the measured-vs-bound table and the main dtype's two fractions."""
+    bw, peak, results = result["read_bandwidth"], result["gemm_peak"], result["results"]
+    dtype_main = result["config"]["dtype"]
+    main_r = results[dtype_main]
+    b1 = main_r["decode"].get("1")
     print()
     print(f"read bandwidth {bw['best_bytes_per_s'] / 1e9:.1f} GB/s; GEMM peak "
           f"{peak['peak_flops'] / 1e9:.1f} GFLOP/s ({peak['peak_dtype']}; bf16 "
@@ -375,11 +395,28 @@ def main(argv: list[str] | None = None) -> int:
               f"{p['achieved_flops'] / 1e9:>6.1f}GFLOP/s{peak['peak_flops'] / 1e9:>6.1f}GFLOP/s"
               f"{p['fraction_of_peak']:>10.2f}")
     if b1:
-        print(f"decode batch 1 ({args.dtype}): {b1['fraction_of_bound']:.2f} of the bandwidth "
+        print(f"decode batch 1 ({dtype_main}): {b1['fraction_of_bound']:.2f} of the bandwidth "
               f"bound (goal >= {GOAL_DECODE_B1})")
-    print(f"prefill {args.prefill_tokens} ({args.dtype}): "
+    print(f"prefill {result['config']['prefill_tokens']} ({dtype_main}): "
           f"{main_r['prefill']['fraction_of_peak']:.2f} of the GEMM peak")
     print(f"load average now: {result['load_avg_after']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    set_threads(args.threads)
+    model_dir = (
+        Path(args.model_dir)
+        if args.model_dir
+        else cached_model(args.arch, args.preset, cache_dir=CACHE_DIR)
+    )
+    info = machine_info(args.threads)
+    log(f"roofline: model {model_dir.name}, {args.threads} threads, load "
+        f"{info['load_avg_1_5_15'][0]:.2f}")
+    probe, bw, peak = measure_limits(args)
+    results, peak = measure_dtypes(model_dir, args, probe, bw, peak)
+    result = build_result(args, model_dir, info, bw, peak, results)
+    print_summary(result)
     if args.json:
         write_json(args.json, result)
         print(f"wrote {args.json}")

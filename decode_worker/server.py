@@ -82,8 +82,10 @@ class DecodeServer(EngineServer):
 
     def _queue_remote(self, msg: KVReady) -> None:
         rid = msg.request_id
-        if self.early_aborts.pop(rid, False) is None:
+        if rid in self.early_aborts:  # aborted before its KV was offered: drop it now
+            del self.early_aborts[rid]
             self._release_on_sender(msg)
+            self.num_aborts += 1
             return
         try:
             self.engine.add_remote_request(rid, msg.prompt_token_ids, msg.first_token, msg.sampling)

@@ -260,7 +260,7 @@ class LLMEngine:
         """Prefill role: the prompt is done and the request goes on elsewhere."""
         self.scheduler.remove(seq)
         seq.status = SeqStatus.PREFILLED
-        handoff = Handoff(seq.request_id, list(seq.block_table), first_token, seq.num_tokens - 1)
+        handoff = Handoff(seq.request_id, list(seq.block_table), first_token, seq.num_prompt_tokens)
         accepted = False
         if self.kv_connector is not None:
             try:

@@ -79,7 +79,9 @@ class ServeProcess:
             if k.startswith(name + "{") and (role is None or f'role="{role}"' in k)
         )
 
-    def wait_counter(self, name: str, role: str, at_least: float, timeout: float = 20.0) -> float:
+    def wait_counter(
+        self, name: str, role: str | None, at_least: float, timeout: float = 20.0
+    ) -> float:
         """Load reports reach /metrics a beat after the requests finish: poll until the
         counter reaches `at_least` (or the deadline), and return its value."""
         deadline = time.time() + timeout

@@ -140,9 +140,12 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     import http.client
 
     host, port = server.url.removeprefix("http://").split(":")
-    aborts_before = server.counter("tandem_worker_aborts_total", "decode")
+    aborts_before = server.counter("tandem_worker_aborts_total")
     # 900 tokens take seconds here; the disconnect comes after the first: the requests can
-    # only end early by being aborted on the decode worker, which the counter proves.
+    # only end early by being aborted, which the workers' counters prove. Where the remote
+    # request is dropped depends on the race (still held on the prefill worker, its KVReady
+    # dropped on arrival, or reading/running on the decode worker; sometimes two of these),
+    # so each request counts at least once, summed over the workers.
     for prompt in ("short one", "a much longer prompt that goes through the prefill worker " * 4):
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
         body = json.dumps(
@@ -160,8 +163,8 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         resp.fp.readline()  # the first SSE event: the request is running
         conn.sock.close()
         conn.close()
-    aborts = server.wait_counter("tandem_worker_aborts_total", "decode", aborts_before + 2)
-    assert aborts - aborts_before == 2
+    aborts = server.wait_counter("tandem_worker_aborts_total", None, aborts_before + 2)
+    assert aborts - aborts_before >= 2
     m = server.wait_all_blocks_free(timeout=30)
     assert m
     metrics = server.metrics()
