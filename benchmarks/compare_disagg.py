@@ -1,13 +1,15 @@
-"""Disaggregated vs colocated serving on the same cores.
+"""Disaggregated (bf16 and quantized) vs colocated serving on the same cores.
 
     python benchmarks/compare_disagg.py            # the full run (~25 min on 2 cores)
     python benchmarks/compare_disagg.py --quick    # smoke run (1 scenario, 1 rate, 4 prompts)
 
-Three deployments of the same model on the same CPU share (one core per worker), started one
+Four deployments of the same model on the same CPU share (one core per worker), started one
 after the other, each kept up while every scenario and rate runs against it:
 
 - disagg:             1 prefill + 1 decode actor (every prompt prefilled on the prefill actor:
                       --disagg-threshold 0, so the decode actor only decodes);
+- disagg-quantized:   the same with `tandem serve --quantized` (FP8 W8A8 prefill, weight-only
+                      decode: int8 on CPU, FP8 KV);
 - colocated-chunked:  2 colocated replicas, chunked prefill with a `--chunk-budget` token
                       budget per step (a prompt longer than it is split over steps, each
                       step still carrying the running decodes);
@@ -103,7 +105,7 @@ def mode_settings(mode: str, model: str, args: argparse.Namespace):
         "enable_chunked_prefill": True,
         "kv_cache_memory_gb": args.kv_cache_gb,
     }
-    if mode == "disagg":
+    if mode in ("disagg", "disagg-quantized"):
         return ServeSettings(
             model=model,
             mode="disagg",
@@ -114,6 +116,7 @@ def mode_settings(mode: str, model: str, args: argparse.Namespace):
             disagg_threshold=args.disagg_threshold,
             served_model_name="bench",
             engine=engine,
+            quantized=mode == "disagg-quantized",
         )
     if mode == "colocated-chunked":
         engine["max_num_batched_tokens"] = args.chunk_budget
@@ -192,6 +195,8 @@ def run_mode(
     points: list[Point] = []
     log(f"== {mode}: starting deployment")
     with Deployment(settings) as dep:
+        weights = _weights(dep)
+        log(f"== {mode}: weights {weights}")
         longest = max(math.floor(s.input_len * (1 + s.input_range)) for s in scenarios)
         warm_up(dep.url, vocab, longest)
         log(f"== {mode}: warmed up")
@@ -226,7 +231,7 @@ def run_mode(
                     request_throughput=m.request_throughput,
                     load_avg_1m=max(load, os.getloadavg()[0]),
                     raw_json=str(raw.relative_to(out)),
-                    worker_stats=_step_counts(before, after),
+                    worker_stats=_step_counts(before, after, weights),
                 )
                 points.append(p)
                 log(
@@ -241,13 +246,21 @@ def run_mode(
     return points
 
 
-def _step_counts(before: dict, after: dict) -> dict:
-    """Per worker: engine steps and prefill paths taken during one point (from load reports)."""
+def _weights(dep) -> dict[str, str]:
+    """Per worker: the weight layout it loaded (the dtype, or its resolved quantization)."""
+    import ray
+
+    return {wid: ray.get(a.info.remote())["weights"] for wid, a in dep.actors.items()}
+
+
+def _step_counts(before: dict, after: dict, weights: dict[str, str]) -> dict:
+    """Per worker: its weights, and the engine steps and prefill paths taken during one point
+    (from load reports)."""
     out = {}
     for wid, a in after.items():
         b = before.get(wid, {})
         ex_a, ex_b = a.get("extra", {}) or {}, b.get("extra", {}) or {}
-        row = {}
+        row = {"weights": weights.get(wid, "?")}
         for k in ("local_prefills", "remote_prefills", "handoffs"):
             if k in ex_a:
                 row[k] = ex_a[k] - ex_b.get(k, 0)
@@ -409,6 +422,8 @@ def build_meta(
             "num_cpus": args.num_cpus,
             "disagg": "1 prefill + 1 decode actor, max_num_batched_tokens "
             f"{args.max_num_batched_tokens}, disagg_threshold {args.disagg_threshold}",
+            "disagg-quantized": "the same with --quantized (FP8 W8A8 prefill, weight-only "
+            "decode, FP8 KV)",
             "colocated-chunked": f"2 replicas, chunked prefill, budget {args.chunk_budget}",
             "colocated-nochunk": "2 replicas, no chunked prefill (whole prompt per step)",
         },

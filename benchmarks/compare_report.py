@@ -7,7 +7,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-MODES = ("disagg", "colocated-chunked", "colocated-nochunk")
+# disagg-quantized: the same 1P1D with `tandem serve --quantized` (FP8 W8A8 prefill, int8
+# weight-only decode on CPU, FP8 KV), against the same unquantized colocated baselines.
+MODES = ("disagg", "disagg-quantized", "colocated-chunked", "colocated-nochunk")
+DISAGG_MODES = ("disagg", "disagg-quantized")
 
 
 @dataclass(slots=True)
@@ -46,9 +49,9 @@ def ratios(points: list[Point]) -> list[dict]:
     by = {p.key: p for p in points}
     rows = []
     for p in points:
-        if p.mode != "disagg":
+        if p.mode not in DISAGG_MODES:
             continue
-        row = {"scenario": p.scenario, "rate": p.rate}
+        row = {"scenario": p.scenario, "rate": p.rate, "mode": p.mode}
         for other in ("colocated-chunked", "colocated-nochunk"):
             q = by.get((p.scenario, other, p.rate))
             ok = q and q.tpot_p99_ms and p.tpot_p99_ms is not None
@@ -77,15 +80,17 @@ def markdown(points: list[Point], meta: dict, scenarios: dict) -> str:
         )
     lines += [
         "",
-        "TPOT p99 ratio, disagg / colocated (below 1: disaggregation has the lower tail):",
+        "TPOT p99 ratio, disagg (bf16 or quantized) / colocated (below 1: disaggregation has the "
+        "lower tail):",
         "",
-        "| scenario | rate (req/s) | vs colocated-chunked | vs colocated-nochunk |",
-        "|---|---|---|---|",
+        "| scenario | rate (req/s) | mode | vs colocated-chunked | vs colocated-nochunk |",
+        "|---|---|---|---|---|",
     ]
-    for r in sorted(ratios(points), key=lambda r: (scen_order.get(r["scenario"], 9), r["rate"])):
+    rows = ratios(points)
+    for r in sorted(rows, key=lambda r: (scen_order.get(r["scenario"], 9), r["rate"], r["mode"])):
         lines.append(
-            f"| {r['scenario']} | {r['rate']:g} | {_cell(r['colocated-chunked'], 2)} | "
-            f"{_cell(r['colocated-nochunk'], 2)} |"
+            f"| {r['scenario']} | {r['rate']:g} | {r['mode']} | "
+            f"{_cell(r['colocated-chunked'], 2)} | {_cell(r['colocated-nochunk'], 2)} |"
         )
     lines += ["", "Scenarios and goodput SLOs:", ""]
     for s in meta["scenarios"]:
@@ -111,6 +116,7 @@ def plot(points: list[Point], out: Path, scenarios: dict) -> list[Path]:
     paths = []
     styles = {
         "disagg": ("o-", "tab:blue"),
+        "disagg-quantized": ("D-", "tab:green"),
         "colocated-chunked": ("s--", "tab:orange"),
         "colocated-nochunk": ("^:", "tab:red"),
     }

@@ -39,8 +39,9 @@ GOAL_VS_BATCHED = 2.0
 GOAL_VS_SINGLE = 8.0
 
 
-def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  vocab: int, seed: int) -> list[tuple[list[int], int]]:
+def make_requests(
+    n: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) per request; lengths uniform in the inclusive ranges.
     Ids avoid 0..3 (pad/bos/eos/turn specials)."""
     rng = random.Random(seed)
@@ -55,8 +56,12 @@ def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int
 def run_tandem(model_dir: Path, reqs, dtype: str, max_num_batched_tokens: int) -> dict:
     from engine import LLM, SamplingParams
 
-    llm = LLM(str(model_dir), dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(model_dir),
+        dtype=dtype,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,
+    )
     # Warm-up (first-call library initialisation is not throughput).
     llm.generate([reqs[0][0][:8]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in reqs]
@@ -81,9 +86,7 @@ def _hf_model(model_dir: Path, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, dtype)
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     # ignore_eos: generation never stops early (min_new_tokens would bias the logits instead).
     model.generation_config.eos_token_id = None
     return model
@@ -97,18 +100,22 @@ def _hf_generate(model, prompts: list[list[int]], max_new_tokens: int):
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-            min_new_tokens=None, do_sample=False, pad_token_id=0,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=None,
+            do_sample=False,
+            pad_token_id=0,
         )
     return out[:, width:]
 
 
 def run_hf_batched(model, reqs, batch_size: int, max_batches: int | None) -> dict:
-    batches = [reqs[i:i + batch_size] for i in range(0, len(reqs), batch_size)]
+    batches = [reqs[i : i + batch_size] for i in range(0, len(reqs), batch_size)]
     if max_batches is not None:
         batches = batches[:max_batches]
     useful = generated = 0
@@ -120,8 +127,10 @@ def run_hf_batched(model, reqs, batch_size: int, max_batches: int | None) -> dic
             raise RuntimeError(f"HF batch produced {out.shape[1]} tokens, wanted {longest}")
         useful += sum(o for _, o in batch)
         generated += longest * len(batch)
-        log(f"  hf batched: batch {b + 1}/{len(batches)} ({len(batch)} reqs, {longest} steps) "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(
+            f"  hf batched: batch {b + 1}/{len(batches)} ({len(batch)} reqs, {longest} steps) "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
     elapsed = time.perf_counter() - t0
     return {
         "seconds": elapsed,
@@ -142,8 +151,10 @@ def run_hf_single(model, reqs, subset: list[int]) -> dict:
         out = _hf_generate(model, [prompt], olen)
         outputs[i] = out[0].tolist()
         useful += olen
-        log(f"  hf single: request {k + 1}/{len(subset)} ({len(prompt)} in, {olen} out) "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(
+            f"  hf single: request {k + 1}/{len(subset)} ({len(prompt)} in, {olen} out) "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
     elapsed = time.perf_counter() - t0
     return {
         "seconds": elapsed,
@@ -160,8 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small smoke run (tiny model)")
     ap.add_argument("--json", type=str, default=None, help="write results here")
     ap.add_argument("--arch", default="llama")
-    ap.add_argument("--preset", default=None, help="make_model preset (default small; tiny with"
-                    " --quick)")
+    ap.add_argument(
+        "--preset", default=None, help="make_model preset (default small; tiny with --quick)"
+    )
     ap.add_argument("--model-dir", type=str, default=None, help="use this checkpoint instead")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
@@ -169,10 +181,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     ap.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"))
     ap.add_argument("--hf-batch-size", type=int, default=None)
-    ap.add_argument("--hf-max-batches", type=int, default=None,
-                    help="time only the first N static batches (default: all)")
-    ap.add_argument("--hf-single-requests", type=int, default=None,
-                    help="size of the random subset run one at a time")
+    ap.add_argument(
+        "--hf-max-batches",
+        type=int,
+        default=None,
+        help="time only the first N static batches (default: all)",
+    )
+    ap.add_argument(
+        "--hf-single-requests",
+        type=int,
+        default=None,
+        help="size of the random subset run one at a time",
+    )
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -188,34 +208,48 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     args.prompt_len = tuple(args.prompt_len or ((8, 48) if q else (32, 256)))
     args.output_len = tuple(args.output_len or ((4, 16) if q else (16, 192)))
     args.hf_batch_size = args.hf_batch_size or (4 if q else 16)
-    args.hf_single_requests = min(
-        args.num_requests, args.hf_single_requests or (2 if q else 16)
-    )
+    args.hf_single_requests = min(args.num_requests, args.hf_single_requests or (2 if q else 16))
 
 
 def measure(model_dir: Path, reqs, subset: list[int], args) -> tuple[dict, dict, dict]:
     """The three timed phases, in order: tandem, HF static batches, HF one at a time."""
     log("[1/3] tandem LLM.generate (all requests at once)")
     tandem = run_tandem(model_dir, reqs, args.dtype, args.max_num_batched_tokens)
-    log(f"  tandem: {tandem['output_tokens']} tokens in {tandem['seconds']:.2f}s = "
-        f"{tandem['output_tokens_per_s']:.1f} tok/s ({tandem['num_steps']} steps)")
+    log(
+        f"  tandem: {tandem['output_tokens']} tokens in {tandem['seconds']:.2f}s = "
+        f"{tandem['output_tokens_per_s']:.1f} tok/s ({tandem['num_steps']} steps)"
+    )
 
     hf = _hf_model(model_dir, args.dtype)
     _hf_generate(hf, [reqs[0][0][:8]], 2)  # warm-up
     log(f"[2/3] transformers generate, static padded batches of {args.hf_batch_size}")
     batched = run_hf_batched(hf, reqs, args.hf_batch_size, args.hf_max_batches)
-    log(f"  hf batched: {batched['output_tokens']} useful tokens in {batched['seconds']:.2f}s = "
-        f"{batched['output_tokens_per_s']:.1f} tok/s")
-    log(f"[3/3] transformers generate, one request at a time ({len(subset)} of {len(reqs)} "
-        f"requests, seeded random subset)")
+    log(
+        f"  hf batched: {batched['output_tokens']} useful tokens in {batched['seconds']:.2f}s = "
+        f"{batched['output_tokens_per_s']:.1f} tok/s"
+    )
+    log(
+        f"[3/3] transformers generate, one request at a time ({len(subset)} of {len(reqs)} "
+        f"requests, seeded random subset)"
+    )
     single = run_hf_single(hf, reqs, subset)
-    log(f"  hf single: {single['output_tokens']} tokens in {single['seconds']:.2f}s = "
-        f"{single['output_tokens_per_s']:.1f} tok/s")
+    log(
+        f"  hf single: {single['output_tokens']} tokens in {single['seconds']:.2f}s = "
+        f"{single['output_tokens_per_s']:.1f} tok/s"
+    )
     return tandem, batched, single
 
 
-def build_result(args, model_dir: Path, info: dict, reqs, subset: list[int], tandem: dict,
-                 batched: dict, single: dict) -> dict:
+def build_result(
+    args,
+    model_dir: Path,
+    info: dict,
+    reqs,
+    subset: list[int],
+    tandem: dict,
+    batched: dict,
+    single: dict,
+) -> dict:
     """The JSON report: config, the three measurements, their ratios and the goals."""
     # Informational: in bf16, tie-breaks differ between kernels, so greedy paths may part.
     same = sum(tandem["outputs"][i] == single["outputs"][i] for i in subset)
@@ -227,10 +261,15 @@ def build_result(args, model_dir: Path, info: dict, reqs, subset: list[int], tan
         "machine": info,
         "load_avg_after": load_avg(),
         "config": {
-            "model": model_dir.name, "arch": args.arch, "preset": args.preset,
-            "dtype": args.dtype, "num_requests": args.num_requests,
-            "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
-            "seed": args.seed, "hf_batch_size": args.hf_batch_size,
+            "model": model_dir.name,
+            "arch": args.arch,
+            "preset": args.preset,
+            "dtype": args.dtype,
+            "num_requests": args.num_requests,
+            "prompt_len": list(args.prompt_len),
+            "output_len": list(args.output_len),
+            "seed": args.seed,
+            "hf_batch_size": args.hf_batch_size,
             "hf_single_requests": args.hf_single_requests,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "total_prompt_tokens": sum(len(p) for p, _ in reqs),
@@ -255,16 +294,25 @@ def print_summary(result: dict) -> None:
     print()
     print(f"{'system':<40}{'output tok/s':>14}")
     print(f"{'tandem (continuous batching)':<40}{result['tandem']['output_tokens_per_s']:>14.1f}")
-    print(f"{f'HF generate, padded batches of {hf_bs}':<40}"
-          f"{result['hf_batched']['output_tokens_per_s']:>14.1f}")
-    print(f"{f'HF generate, one at a time ({n_single} reqs)':<40}"
-          f"{result['hf_single']['output_tokens_per_s']:>14.1f}")
-    print(f"ratio vs padded batches: {result['ratio_vs_hf_batched']:.2f}x "
-          f"(goal >= {GOAL_VS_BATCHED}x)")
-    print(f"ratio vs one at a time:  {result['ratio_vs_hf_single']:.2f}x "
-          f"(goal >= {GOAL_VS_SINGLE}x)")
-    print(f"greedy outputs equal to HF one-at-a-time: {result['greedy_outputs_equal_hf_single']} "
-          f"(bf16 kernels may break ties differently)")
+    print(
+        f"{f'HF generate, padded batches of {hf_bs}':<40}"
+        f"{result['hf_batched']['output_tokens_per_s']:>14.1f}"
+    )
+    print(
+        f"{f'HF generate, one at a time ({n_single} reqs)':<40}"
+        f"{result['hf_single']['output_tokens_per_s']:>14.1f}"
+    )
+    print(
+        f"ratio vs padded batches: {result['ratio_vs_hf_batched']:.2f}x "
+        f"(goal >= {GOAL_VS_BATCHED}x)"
+    )
+    print(
+        f"ratio vs one at a time:  {result['ratio_vs_hf_single']:.2f}x (goal >= {GOAL_VS_SINGLE}x)"
+    )
+    print(
+        f"greedy outputs equal to HF one-at-a-time: {result['greedy_outputs_equal_hf_single']} "
+        f"(bf16 kernels may break ties differently)"
+    )
     print(f"load average now: {result['load_avg_after']:.2f}")
 
 
@@ -287,9 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     reqs = make_requests(n, prange, orange, vocab, args.seed)
     subset = sorted(random.Random(args.seed + 1).sample(range(n), args.hf_single_requests))
     info = machine_info(args.threads)
-    log(f"offline throughput: {n} requests, prompts {prange[0]}-{prange[1]}, outputs "
+    log(
+        f"offline throughput: {n} requests, prompts {prange[0]}-{prange[1]}, outputs "
         f"{orange[0]}-{orange[1]} (ignore_eos, greedy), model {model_dir.name}, {args.dtype}, "
-        f"{args.threads} threads, load {info['load_avg_1_5_15'][0]:.2f}")
+        f"{args.threads} threads, load {info['load_avg_1_5_15'][0]:.2f}"
+    )
 
     tandem, batched, single = measure(model_dir, reqs, subset, args)
     result = build_result(args, model_dir, info, reqs, subset, tandem, batched, single)

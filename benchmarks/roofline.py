@@ -115,15 +115,21 @@ def kv_bytes_per_token(engine) -> int:
 def _engine(model_dir: Path, dtype: str, max_tokens_per_step: int, quantization: str):
     from engine.llm_engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), dtype=dtype, enable_prefix_caching=False,
-        max_num_batched_tokens=max_tokens_per_step, kv_cache_memory_gb=0.5,
-        quantization=quantization,
-    ))
+    return LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            dtype=dtype,
+            enable_prefix_caching=False,
+            max_num_batched_tokens=max_tokens_per_step,
+            kv_cache_memory_gb=0.5,
+            quantization=quantization,
+        )
+    )
 
 
-def measure_decode(engine, batch: int, context: int, steps: int, warmup: int, seed: int,
-                   bandwidth: float) -> dict:
+def measure_decode(
+    engine, batch: int, context: int, steps: int, warmup: int, seed: int, bandwidth: float
+) -> dict:
     import torch
 
     from engine.sampling_params import SamplingParams
@@ -133,8 +139,7 @@ def measure_decode(engine, batch: int, context: int, steps: int, warmup: int, se
     trial = next(_TRIAL)
     rids = [f"decode-b{batch}-t{trial}-{i}" for i in range(batch)]
     # Slack: sequences prefilled in an early chunk decode while the later ones prefill.
-    sp = SamplingParams(max_tokens=warmup + steps + 64 + context, temperature=0,
-                        ignore_eos=True)
+    sp = SamplingParams(max_tokens=warmup + steps + 64 + context, temperature=0, ignore_eos=True)
     for rid in rids:
         engine.add_request(rid, torch.randint(4, vocab, (context,), generator=g).tolist(), sp)
     while any(engine.seqs[r].num_output_tokens == 0 for r in rids):
@@ -155,15 +160,18 @@ def measure_decode(engine, batch: int, context: int, steps: int, warmup: int, se
     w_bytes = weight_bytes_per_step(engine.model, batch)
     kv_bytes = mean_ctx * kv_bytes_per_token(engine) * batch
     med = statistics.median(samples)
-    return apply_bound({
-        "batch": batch,
-        "context_tokens_mean": mean_ctx,
-        "step_seconds": summarize(samples),
-        "weight_bytes": w_bytes,
-        "kv_bytes": kv_bytes,
-        "achieved_bytes_per_s": (w_bytes + kv_bytes) / med,
-        "output_tokens_per_s": batch / med,
-    }, bandwidth)
+    return apply_bound(
+        {
+            "batch": batch,
+            "context_tokens_mean": mean_ctx,
+            "step_seconds": summarize(samples),
+            "weight_bytes": w_bytes,
+            "kv_bytes": kv_bytes,
+            "achieved_bytes_per_s": (w_bytes + kv_bytes) / med,
+            "output_tokens_per_s": batch / med,
+        },
+        bandwidth,
+    )
 
 
 def apply_bound(d: dict, bandwidth: float) -> dict:
@@ -179,7 +187,8 @@ def prefill_flops(engine, tokens: int) -> float:
     mc = engine.model_config
     model = engine.model
     layer_params = sum(p.numel() for p in model.model.layers.parameters()) + sum(
-        b.numel() for n, b in model.model.layers.named_buffers() if n.endswith("qweight"))
+        b.numel() for n, b in model.model.layers.named_buffers() if n.endswith("qweight")
+    )
     lm_head = model.lm_head.weight.numel()
     attn = 2 * mc.num_layers * mc.num_heads * mc.head_dim * tokens * tokens
     return 2 * layer_params * tokens + 2 * lm_head + attn
@@ -205,13 +214,16 @@ def measure_prefill(engine, tokens: int, reps: int, seed: int, peak: dict) -> di
     samples = time_calls(one, reps, warmup=1)
     flops = prefill_flops(engine, tokens)
     med = statistics.median(samples)
-    return apply_peak({
-        "tokens": tokens,
-        "step_seconds": summarize(samples),
-        "flops": flops,
-        "achieved_flops": flops / med,
-        "prompt_tokens_per_s": tokens / med,
-    }, peak)
+    return apply_peak(
+        {
+            "tokens": tokens,
+            "step_seconds": summarize(samples),
+            "flops": flops,
+            "achieved_flops": flops / med,
+            "prompt_tokens_per_s": tokens / med,
+        },
+        peak,
+    )
 
 
 def apply_peak(p: dict, peak: dict) -> dict:
@@ -224,8 +236,10 @@ def apply_peak(p: dict, peak: dict) -> dict:
 
 def merge_peaks(a: dict, b: dict) -> dict:
     """The better of two GEMM peak measurements, per dtype."""
-    out = {k: (a[k] if a[k]["best_flops"] >= b[k]["best_flops"] else b[k])
-           for k in ("bfloat16", "float32")}
+    out = {
+        k: (a[k] if a[k]["best_flops"] >= b[k]["best_flops"] else b[k])
+        for k in ("bfloat16", "float32")
+    }
     out["peak_flops"] = max(v["best_flops"] for v in out.values())
     out["peak_dtype"] = max(("bfloat16", "float32"), key=lambda k: out[k]["best_flops"])
     return out
@@ -257,20 +271,26 @@ def run_dtype(model_dir, dtype, args, probe: BandwidthProbe, peak) -> dict:
         log(f"[{dtype}] decode batch {b}, context {args.context}: {args.steps} timed steps")
         # Trials: the box is shared, so a phase can land in a busy moment; the bound uses the
         # best bandwidth seen, so the step uses the best trial's median (all are recorded).
-        trials = [measure_decode(engine, b, args.context, args.steps, args.warmup, args.seed,
-                                 probe.best) for _ in range(args.trials)]
+        trials = [
+            measure_decode(engine, b, args.context, args.steps, args.warmup, args.seed, probe.best)
+            for _ in range(args.trials)
+        ]
         d = min(trials, key=lambda t: t["step_seconds"]["median"])
         d["trial_medians_seconds"] = [t["step_seconds"]["median"] for t in trials]
         out["decode"][str(b)] = d
         probe.measure()
-        log(f"  step {d['step_seconds']['median'] * 1e3:.2f} ms (min "
+        log(
+            f"  step {d['step_seconds']['median'] * 1e3:.2f} ms (min "
             f"{d['step_seconds']['min'] * 1e3:.2f}), bound {d['bound_seconds'] * 1e3:.2f} ms, "
-            f"fraction {d['fraction_of_bound']:.2f}")
+            f"fraction {d['fraction_of_bound']:.2f}"
+        )
     log(f"[{dtype}] prefill {args.prefill_tokens} tokens: {args.prefill_reps} reps")
     p = measure_prefill(engine, args.prefill_tokens, args.prefill_reps, args.seed, peak)
     out["prefill"] = p
-    log(f"  step {p['step_seconds']['median'] * 1e3:.1f} ms, {p['achieved_flops'] / 1e9:.1f} "
-        f"GFLOP/s, fraction of peak {p['fraction_of_peak']:.2f}")
+    log(
+        f"  step {p['step_seconds']['median'] * 1e3:.1f} ms, {p['achieved_flops'] / 1e9:.1f} "
+        f"GFLOP/s, fraction of peak {p['fraction_of_peak']:.2f}"
+    )
     return out
 
 
@@ -288,10 +308,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=None, help="decode prompt tokens (256)")
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps (64)")
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--quantization", default="none", choices=["none", "int8"],
-                    help="weight-only quantization of the engine (the bound counts its bytes)")
-    ap.add_argument("--trials", type=int, default=3,
-                    help="decode phases per batch size; the best median counts (default 3)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        choices=["none", "int8"],
+        help="weight-only quantization of the engine (the bound counts its bytes)",
+    )
+    ap.add_argument(
+        "--trials",
+        type=int,
+        default=3,
+        help="decode phases per batch size; the best median counts (default 3)",
+    )
     ap.add_argument("--prefill-tokens", type=int, default=None, help="(512)")
     ap.add_argument("--prefill-reps", type=int, default=None, help="(7)")
     ap.add_argument("--bw-mib", type=int, default=None, help="bandwidth tensor size (1024)")
@@ -321,17 +349,22 @@ def measure_limits(args) -> tuple[BandwidthProbe, dict, dict]:
     log(f"measuring read bandwidth ({args.bw_mib} MiB float32 sum)")
     probe = BandwidthProbe(args.bw_mib, 5 if q else 10)
     bw = probe.measure()
-    log(f"  {bw['best_bytes_per_s'] / 1e9:.1f} GB/s best, "
-        f"{bw['median_bytes_per_s'] / 1e9:.1f} GB/s median")
+    log(
+        f"  {bw['best_bytes_per_s'] / 1e9:.1f} GB/s best, "
+        f"{bw['median_bytes_per_s'] / 1e9:.1f} GB/s median"
+    )
     log(f"measuring GEMM peak ({args.gemm_n}^3 matmul)")
     peak = measure_gemm_peak(args.gemm_n, 3 if q else 8)
-    log(f"  bf16 {peak['bfloat16']['best_flops'] / 1e9:.1f} GFLOP/s, fp32 "
-        f"{peak['float32']['best_flops'] / 1e9:.1f} GFLOP/s")
+    log(
+        f"  bf16 {peak['bfloat16']['best_flops'] / 1e9:.1f} GFLOP/s, fp32 "
+        f"{peak['float32']['best_flops'] / 1e9:.1f} GFLOP/s"
+    )
     return probe, bw, peak
 
 
-def measure_dtypes(model_dir: Path, args, probe: BandwidthProbe, bw: dict,
-                   peak: dict) -> tuple[dict, dict]:
+def measure_dtypes(
+    model_dir: Path, args, probe: BandwidthProbe, bw: dict, peak: dict
+) -> tuple[dict, dict]:
     """Decode and prefill per dtype, then every fraction against the best limits of the run.
     Returns (results per dtype, the merged GEMM peak); updates `bw` with the best probe."""
     results = {}
@@ -350,8 +383,7 @@ def measure_dtypes(model_dir: Path, args, probe: BandwidthProbe, bw: dict,
     return results, peak
 
 
-def build_result(args, model_dir: Path, info: dict, bw: dict, peak: dict,
-                 results: dict) -> dict:
+def build_result(args, model_dir: Path, info: dict, bw: dict, peak: dict, results: dict) -> dict:
     """The JSON report: config, the machine's limits, every phase and the decode goal."""
     b1 = results[args.dtype]["decode"].get("1")
     return {
@@ -360,9 +392,15 @@ def build_result(args, model_dir: Path, info: dict, bw: dict, peak: dict,
         "machine": info,
         "load_avg_after": load_avg(),
         "config": {
-            "model": model_dir.name, "dtype": args.dtype, "batches": args.batches,
-            "context": args.context, "steps": args.steps, "prefill_tokens": args.prefill_tokens,
-            "bw_mib": args.bw_mib, "gemm_n": args.gemm_n, "quantization": args.quantization,
+            "model": model_dir.name,
+            "dtype": args.dtype,
+            "batches": args.batches,
+            "context": args.context,
+            "steps": args.steps,
+            "prefill_tokens": args.prefill_tokens,
+            "bw_mib": args.bw_mib,
+            "gemm_n": args.gemm_n,
+            "quantization": args.quantization,
         },
         "read_bandwidth": bw,
         "gemm_peak": peak,
@@ -380,25 +418,35 @@ def print_summary(result: dict) -> None:
     main_r = results[dtype_main]
     b1 = main_r["decode"].get("1")
     print()
-    print(f"read bandwidth {bw['best_bytes_per_s'] / 1e9:.1f} GB/s; GEMM peak "
-          f"{peak['peak_flops'] / 1e9:.1f} GFLOP/s ({peak['peak_dtype']}; bf16 "
-          f"{peak['bfloat16']['best_flops'] / 1e9:.1f}, fp32 "
-          f"{peak['float32']['best_flops'] / 1e9:.1f})")
+    print(
+        f"read bandwidth {bw['best_bytes_per_s'] / 1e9:.1f} GB/s; GEMM peak "
+        f"{peak['peak_flops'] / 1e9:.1f} GFLOP/s ({peak['peak_dtype']}; bf16 "
+        f"{peak['bfloat16']['best_flops'] / 1e9:.1f}, fp32 "
+        f"{peak['float32']['best_flops'] / 1e9:.1f})"
+    )
     print(f"{'dtype':<10}{'phase':<16}{'measured':>12}{'bound':>12}{'fraction':>10}")
     for dtype, r in results.items():
         for b, d in r["decode"].items():
-            print(f"{dtype:<10}{f'decode b={b}':<16}{d['step_seconds']['median'] * 1e3:>10.2f}ms"
-                  f"{d['bound_seconds'] * 1e3:>10.2f}ms{d['fraction_of_bound']:>10.2f}")
+            print(
+                f"{dtype:<10}{f'decode b={b}':<16}{d['step_seconds']['median'] * 1e3:>10.2f}ms"
+                f"{d['bound_seconds'] * 1e3:>10.2f}ms{d['fraction_of_bound']:>10.2f}"
+            )
         p = r["prefill"]
         label = f"prefill {p['tokens']}"
-        print(f"{dtype:<10}{label:<16}"
-              f"{p['achieved_flops'] / 1e9:>6.1f}GFLOP/s{peak['peak_flops'] / 1e9:>6.1f}GFLOP/s"
-              f"{p['fraction_of_peak']:>10.2f}")
+        print(
+            f"{dtype:<10}{label:<16}"
+            f"{p['achieved_flops'] / 1e9:>6.1f}GFLOP/s{peak['peak_flops'] / 1e9:>6.1f}GFLOP/s"
+            f"{p['fraction_of_peak']:>10.2f}"
+        )
     if b1:
-        print(f"decode batch 1 ({dtype_main}): {b1['fraction_of_bound']:.2f} of the bandwidth "
-              f"bound (goal >= {GOAL_DECODE_B1})")
-    print(f"prefill {result['config']['prefill_tokens']} ({dtype_main}): "
-          f"{main_r['prefill']['fraction_of_peak']:.2f} of the GEMM peak")
+        print(
+            f"decode batch 1 ({dtype_main}): {b1['fraction_of_bound']:.2f} of the bandwidth "
+            f"bound (goal >= {GOAL_DECODE_B1})"
+        )
+    print(
+        f"prefill {result['config']['prefill_tokens']} ({dtype_main}): "
+        f"{main_r['prefill']['fraction_of_peak']:.2f} of the GEMM peak"
+    )
     print(f"load average now: {result['load_avg_after']:.2f}")
 
 
@@ -411,8 +459,10 @@ def main(argv: list[str] | None = None) -> int:
         else cached_model(args.arch, args.preset, cache_dir=CACHE_DIR)
     )
     info = machine_info(args.threads)
-    log(f"roofline: model {model_dir.name}, {args.threads} threads, load "
-        f"{info['load_avg_1_5_15'][0]:.2f}")
+    log(
+        f"roofline: model {model_dir.name}, {args.threads} threads, load "
+        f"{info['load_avg_1_5_15'][0]:.2f}"
+    )
     probe, bw, peak = measure_limits(args)
     results, peak = measure_dtypes(model_dir, args, probe, bw, peak)
     result = build_result(args, model_dir, info, bw, peak, results)

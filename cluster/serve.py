@@ -63,7 +63,12 @@ class ServeSettings:
     """Everything `tandem serve` needs. Its flags are generated from these fields, from
     `RouterConfig`'s (group "router") and from `EngineConfig`'s (group "engine"), so every
     setting and default is written once. `engine` and `router` hold overrides of those two
-    configs' fields (by name) beyond what this class sets itself."""
+    configs' fields (by name) beyond what this class sets itself.
+
+    Quantization is per pool: `prefill_quantization` and `decode_quantization` (the decode pool
+    and colocated replicas) take the names of engine/quantization/__init__.py, and `quantized`
+    switches on the quantized profile (FP8 W8A8 prefill, weight-only decode, FP8 KV) for what
+    is left at "auto"."""
 
     model: str = setting(help="local Hugging Face model directory (config.json + safetensors)")
     mode: str = setting("disagg", "prefill + decode pools, or colocated replicas", choices=MODES)
@@ -107,12 +112,24 @@ class ServeSettings:
     max_frame_mb: float = setting(
         16.0, "largest ZMQ frame a worker or the router accepts; larger ones are dropped"
     )
-    # Weight-only quantization of the workers that decode (decode pool, colocated replicas);
-    # the prefill pool keeps full weights (it is compute-bound, not weight-bandwidth-bound).
-    decode_quantization: str = setting(
-        "none",
-        "weight-only quantization of the decode pool (and colocated replicas)",
+    # Projection weights per pool (names and what each means: engine/quantization/__init__.py).
+    # "auto" keeps what the checkpoint has: full weights, or an FP8 checkpoint's own.
+    prefill_quantization: str = setting(
+        "auto",
+        "projection weights of the prefill pool: fp8 is W8A8 (FP8 weights and activations)",
         choices=QUANTIZATIONS,
+    )
+    decode_quantization: str = setting(
+        "auto",
+        "projection weights of the decode pool and colocated replicas (weight-only: FP8 on "
+        "GPUs with FP8, CUDA 8.9+; int8 elsewhere)",
+        choices=QUANTIZATIONS,
+    )
+    # The quantized profile in one switch; see `_apply_quantized_profile`.
+    quantized: bool = setting(
+        False,
+        "quantized profile: fp8 (W8A8) prefill, weight-only decode, FP8 KV (--kv-dtype "
+        "fp8_e4m3); a per-pool quantization or --kv-dtype other than auto wins",
     )
     engine: dict = setting(default_factory=dict, cli=False)  # EngineConfig overrides
     router: dict = setting(default_factory=dict, cli=False)  # RouterConfig overrides
@@ -129,6 +146,7 @@ class ServeSettings:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if not self.max_frame_mb > 0:
             raise ValueError(f"max_frame_mb must be > 0, got {self.max_frame_mb}")
+        self.prefill_quantization = validate_quantization(self.prefill_quantization)
         self.decode_quantization = validate_quantization(self.decode_quantization)
         for what, overrides, owned in (
             ("engine", self.engine, _ENGINE_FIELDS_FROM_SERVE),
@@ -137,6 +155,22 @@ class ServeSettings:
             clash = sorted(set(overrides) & owned)
             if clash:
                 raise ValueError(f"{what} overrides {clash} are set by ServeSettings itself")
+        if self.quantized:
+            self._apply_quantized_profile()
+
+    def _apply_quantized_profile(self) -> None:
+        """`quantized`: FP8 W8A8 prefill ("fp8": FP8 e4m3 weights with per-channel scales,
+        activations scaled per token at run time, `torch._scaled_mm`), weight-only decode
+        ("weight-only": FP8 weights where the GPU has FP8, int8 on CPU and older GPUs) and FP8
+        KV (kv_dtype "fp8_e4m3"). It fills in only what is still at "auto" (or, for the KV,
+        absent from `engine`), so a setting given explicitly wins; an explicit "auto" cannot be
+        told from the default and is overridden too."""
+        if self.prefill_quantization == "auto":
+            self.prefill_quantization = "fp8"
+        if self.decode_quantization == "auto":
+            self.decode_quantization = "weight-only"
+        if self.engine.get("kv_dtype", "auto") == "auto":
+            self.engine = {**self.engine, "kv_dtype": "fp8_e4m3"}
 
     @property
     def max_frame_bytes(self) -> int:
@@ -187,7 +221,8 @@ class Deployment:
 
     # -- start -----------------------------------------------------------------------------
     def _quantization(self, role: str) -> str:
-        return "none" if role == PREFILL else self.s.decode_quantization
+        """The quantization setting of a worker of `role` (EngineConfig.quantization)."""
+        return self.s.prefill_quantization if role == PREFILL else self.s.decode_quantization
 
     def start(self) -> Deployment:
         import ray

@@ -38,7 +38,8 @@ class WorkerActor:
 
         engine = LLMEngine(EngineConfig(**engine_kwargs, role=check_role(role)))
         self.worker_id, self.role = worker_id, role
-        quant = engine.config.quantization or "none"
+        # The layout the weights got (the setting resolved for this device), else the dtype.
+        quant = engine.quantization
         self.weights = quant if quant != "none" else engine.config.dtype
         if role == PREFILL:
             from kv_transfer.agent import KVTransferAgent
@@ -74,7 +75,7 @@ class WorkerActor:
             "role": self.role,
             "request_endpoint": self.server.endpoint,
             "kv_endpoint": agent.endpoint if agent is not None else "",
-            "weights": self.weights,  # the dtype, or the quantization when there is one
+            "weights": self.weights,  # the resolved quantization, or the dtype without one
         }
 
     def load(self) -> dict:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from engine.quantization.checkpoint import read_fp8_checkpoint
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -62,6 +64,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     hf_config: Any = field(compare=False, repr=False)
+    # The FP8 layout config.json's quantization_config declares (None: full precision).
+    fp8_checkpoint: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -95,6 +99,7 @@ class ModelConfig:
         ):
             sliding = None
         eos = _eos_ids(path, hf)
+        fp8 = read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
         return cls(
             path=path,
             architecture=arch,
@@ -115,6 +120,7 @@ class ModelConfig:
             eos_token_ids=eos,
             bos_token_id=getattr(hf, "bos_token_id", None),
             hf_config=hf,
+            fp8_checkpoint=fp8,
         )
 
     def num_params(self) -> int:

@@ -89,9 +89,7 @@ class KVCache:
         self.spec = spec
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        shape = (
-            num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim
-        )
+        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.data = torch.zeros(shape, dtype=spec.cache_dtype, device=self.device)
         self.scales = (
             torch.ones(shape[:-1], dtype=torch.float32, device=self.device)
@@ -116,15 +114,17 @@ class KVCache:
             return k, v, None, None
         return k, v, self.scales[:, layer, 0], self.scales[:, layer, 1]
 
-    def write(
-        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> None:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v ([tokens, kv_heads, head_dim]) at `slots` ([tokens], int64)."""
         bs = self.spec.block_size
         self.write_at(layer, slots // bs, slots % bs, k, v)
 
     def write_at(
-        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
         """`write` with the slots already split into block ids and in-block offsets (a step

@@ -28,6 +28,7 @@ from engine.kv_connector import Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
+from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampling_params import SamplingParams
@@ -67,7 +68,11 @@ class EngineConfig:
         "auto", "fp8_e4m3 stores KV in FP8 with per-token scales", choices=KV_DTYPES
     )
     quantization: str | None = setting(
-        None, "weight-only quantization (engine.quantization)", cli=False
+        None,
+        "projection weights: auto, none, int8, fp8 (W8A8), fp8-weight-only, weight-only "
+        "(engine.quantization)",
+        choices=QUANTIZATIONS,
+        cli=False,
     )
     seed: int = setting(0, "seed for dummy weights and sampling")
     device: str | None = setting(None, "torch device (default: cuda when present)", cli=False)
@@ -100,8 +105,12 @@ class LLMEngine:
         )
         self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
         torch.manual_seed(config.seed)
-        self.model = build_model(mc, self.dtype, self.device, config.load_format, config.seed)
-        self.model.quantize(config.quantization)
+        # The layout the weights get ("none", "int8", "fp8", "fp8-weight-only").
+        fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
+        self.quantization = resolve(config.quantization, fp8_checkpoint, self.device)
+        self.model = build_model(
+            mc, self.dtype, self.device, config.load_format, config.seed, self.quantization
+        )
         self.kv_spec = KVCacheSpec(
             model=mc.architecture,
             num_layers=mc.num_layers,

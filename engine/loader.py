@@ -1,5 +1,6 @@
 """Build a model and fill its weights: from a local Hugging Face directory (safetensors,
-sharded or not, with a progress bar) or, with `load_format="dummy"`, from a seeded RNG."""
+sharded or not, full precision or FP8 (engine.quantization.checkpoint), with a progress bar)
+or, with `load_format="dummy"`, from a seeded RNG; then quantize what the pool asks for."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.models import CausalLM
+from engine.models.linear import Linear
+from engine.quantization import fp8
+from engine.quantization.checkpoint import FP8Checkpoint
 
 LOAD_FORMATS = ("auto", "dummy")
 
@@ -27,8 +31,16 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(
-    cfg: ModelConfig, dtype: torch.dtype, device: torch.device, load_format: str, seed: int
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    quantization: str = "none",
 ) -> CausalLM:
+    """The model with its weights, its decoder projections in the layout `quantization` (one
+    of engine.quantization.RESOLVED) names: an FP8 checkpoint's layers are filled with its own
+    FP8 weights and scales; full weights are quantized after loading."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device(device), _default_dtype(dtype):
@@ -36,8 +48,35 @@ def build_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
+        if cfg.fp8_checkpoint is not None:
+            prepare_fp8_layers(model, cfg.fp8_checkpoint, activations=quantization == "fp8")
         load_safetensors(model, cfg.path)
+    model.quantize(quantization)
     return model.eval().requires_grad_(False)
+
+
+def prepare_fp8_layers(model: CausalLM, ckpt: FP8Checkpoint, activations: bool) -> int:
+    """Give every decoder projection the checkpoint quantized empty FP8 buffers to load into
+    (W8A8 when `activations`, else weight-only); returns how many. A fused projection whose
+    parts the checkpoint quantizes differently cannot be fused: that fails, naming it."""
+    n = 0
+    for name, mod in model.model.layers.named_modules(prefix="model.layers"):
+        if not isinstance(mod, Linear):
+            continue
+        parts = [
+            name.replace(f".{fused}", f".{p}")
+            for fused, ps in model.packed_modules.items()
+            if name.endswith("." + fused)
+            for p in ps
+        ] or [name]
+        ignored = {ckpt.ignored(p) for p in parts}
+        if len(ignored) > 1:
+            raise ValueError(f"{ckpt.method} checkpoint quantizes only some of {parts}")
+        if not ignored.pop():
+            static = activations and ckpt.activations == "static"
+            mod.empty_fp8(activations, ckpt.block_k, static_input=static)
+            n += 1
+    return n
 
 
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
@@ -86,38 +125,114 @@ def _shard_slice(model: CausalLM, fused_name: str, idx: int) -> tuple[int, int]:
     return start, start + sizes[idx]
 
 
-def load_safetensors(model: CausalLM, path: str) -> None:
-    from safetensors import safe_open
+class _Checkpoint:
+    """Every tensor name of a (sharded) safetensors checkpoint, readable by name."""
 
+    def __init__(self, path: str, stack: contextlib.ExitStack):
+        from safetensors import safe_open
+
+        self.path = path
+        self.files = {}
+        self.where: dict[str, str] = {}
+        for f in _shard_files(path):
+            handle = stack.enter_context(safe_open(str(f), framework="pt"))
+            self.files[f.name] = handle
+            for key in handle.keys():
+                self.where[key] = f.name
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.files[self.where[name]].get_tensor(name)
+
+
+def load_safetensors(model: CausalLM, path: str) -> None:
+    ckpt = model.cfg.fp8_checkpoint
     params = dict(model.named_parameters(remove_duplicate=False))
+    fp8_layers = {
+        f"{name}.weight": mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, Linear) and mod.scheme == "fp8"
+    }
     expected = {n for n in params if not (model.cfg.tie_word_embeddings and n == "lm_head.weight")}
+    expected |= set(fp8_layers)
     loaded: set[str] = set()
-    files = _shard_files(path)
-    total = 0
-    for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            total += len(list(fh.keys()))
-    with torch.no_grad(), tqdm(total=total, desc="loading weights", unit="tensor") as bar:
-        for f in files:
-            with safe_open(str(f), framework="pt") as fh:
-                for hf_name in fh.keys():
-                    bar.update()
-                    if "rotary_emb.inv_freq" in hf_name:
-                        continue
-                    name, idx = _target(model, hf_name)
-                    if name not in params:
-                        if model.cfg.tie_word_embeddings and hf_name == "lm_head.weight":
-                            continue
-                        raise ValueError(f"unexpected weight {hf_name!r} in {f.name}")
-                    tensor = fh.get_tensor(hf_name)
-                    param = params[name]
-                    dst = param if idx is None else param[slice(*_shard_slice(model, name, idx))]
-                    if dst.shape != tensor.shape:
-                        raise ValueError(
-                            f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
-                        )
-                    dst.copy_(tensor.to(dst.dtype))
-                    loaded.add(name)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        files = _Checkpoint(path, stack)
+        names = [n for n in files.where if not n.endswith(_SCALE_SUFFIXES)]
+        for hf_name in tqdm(names, desc="loading weights", unit="tensor"):
+            if "rotary_emb.inv_freq" in hf_name:
+                continue
+            name, idx = _target(model, hf_name)
+            if name in fp8_layers:
+                _load_fp8_part(model, fp8_layers[name], name, idx, hf_name, files)
+            elif name in params:
+                tensor = _full_tensor(files, hf_name, ckpt)
+                param = params[name]
+                dst = param if idx is None else param[slice(*_shard_slice(model, name, idx))]
+                _check_shape(hf_name, tensor, dst.shape)
+                dst.copy_(tensor.to(dst.dtype))
+            elif model.cfg.tie_word_embeddings and hf_name == "lm_head.weight":
+                continue
+            else:
+                raise ValueError(f"unexpected weight {hf_name!r} in {files.where[hf_name]}")
+            loaded.add(name)
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:5]}")
+
+
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+
+
+def _check_shape(hf_name: str, tensor: torch.Tensor, shape) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(shape)}")
+
+
+def _scale_of(files: _Checkpoint, hf_name: str, ckpt: FP8Checkpoint, suffix: str) -> str:
+    """The name of `hf_name`'s scale tensor (`suffix`); ValueError when the checkpoint lacks it."""
+    name = hf_name.removesuffix("weight") + suffix
+    if name not in files.where:
+        raise ValueError(
+            f"checkpoint {files.path} lacks {name}, the scale of {hf_name} ({ckpt.describe()})"
+        )
+    return name
+
+
+def _full_tensor(files: _Checkpoint, hf_name: str, ckpt: FP8Checkpoint | None) -> torch.Tensor:
+    """A tensor for a full-precision parameter: an FP8 one (a quantized head, say) is
+    dequantized with its scale."""
+    tensor = files.get(hf_name)
+    if not tensor.dtype.is_floating_point or tensor.element_size() != 1:
+        return tensor
+    if ckpt is None:
+        raise ValueError(f"{hf_name} is {tensor.dtype} but config.json has no quantization_config")
+    scale_name = _scale_of(files, hf_name, ckpt, ckpt.scale_suffix)
+    n, k = tensor.shape
+    scale = ckpt.scale_rows(files.get(scale_name), scale_name, n, k)
+    return fp8.dequantize_fp8(tensor, scale, ckpt.block_k)
+
+
+def _load_fp8_part(model, mod: Linear, name, idx, hf_name: str, files: _Checkpoint) -> None:
+    """Copy one FP8 weight (a whole projection or one part of a fused one) and its scales."""
+    ckpt = model.cfg.fp8_checkpoint
+    tensor = files.get(hf_name)
+    if tensor.dtype != fp8.FP8:
+        raise ValueError(f"{hf_name}: dtype {tensor.dtype}, expected e4m3 ({ckpt.describe()})")
+    rows = slice(None) if idx is None else slice(*_shard_slice(model, name, idx))
+    dst = mod.qweight[rows]
+    _check_shape(hf_name, tensor, dst.shape)
+    dst.copy_(tensor)
+    scale_name = _scale_of(files, hf_name, ckpt, ckpt.scale_suffix)
+    n, k = tensor.shape
+    mod.wscale[rows] = ckpt.scale_rows(files.get(scale_name), scale_name, n, k)
+    if mod.input_scale is not None:
+        # One scale for the fused input: the largest of its parts' (no part saturates).
+        input_name = _scale_of(files, hf_name, ckpt, "input_scale")
+        value = files.get(input_name).float()
+        _expect_scalar(input_name, value)
+        mod.input_scale.copy_(torch.maximum(mod.input_scale, value.reshape(())))
+
+
+def _expect_scalar(name: str, t: torch.Tensor) -> None:
+    if t.numel() != 1:
+        raise ValueError(f"checkpoint tensor {name}: shape {list(t.shape)}, expected one value")

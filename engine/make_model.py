@@ -25,6 +25,13 @@ them fails), biases and q/k norms are non-zero, q/k projections are scaled so at
 scores have a standard deviation near 1 (attention is not uniform averaging, so masking and
 RoPE mistakes show), and the output embedding gives logits with a standard deviation near 2
 (greedy decoding has clear winners). Same (arch, preset, seed) -> byte-identical weights.
+
+`--train-steps N` (`train_steps=N`) then trains the checkpoint for N steps on the embedded
+corpus (`engine/train_model.py`). Random weights give near-flat next-token distributions, so
+greedy agreement between two numerics (quantized vs exact) is decided by near-ties and
+measures noise, and generated text is gibberish; a tiny model trained ~300 steps memorises
+the corpus, its distributions are peaked like a trained model's and it prints readable text.
+`cached_model` keys such checkpoints `-trained{N}`; random ones keep their names.
 """
 
 from __future__ import annotations
@@ -335,11 +342,14 @@ def make_model(
     preset: str = "tiny",
     seed: int = 0,
     max_position_embeddings: int | None = None,
+    train_steps: int = 0,
 ) -> pathlib.Path:
-    """Write a seeded random checkpoint for (arch, preset) into `out_dir`; return its path."""
+    """Write a seeded random checkpoint for (arch, preset) into `out_dir`, then train it for
+    `train_steps` steps on the embedded corpus when that is positive; return its path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    _check_train_steps(train_steps)
     shape = model_shape(arch, preset, max_position_embeddings)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +372,21 @@ def make_model(
         f"make-model: {arch}/{preset} seed={seed} params={n_params:,} "
         f"({n_params / 1e6:.2f}M) vocab={shape.vocab_size} -> {out}"
     )
+    if train_steps > 0:
+        _train(out, train_steps, seed)
     return out
+
+
+def _check_train_steps(train_steps: int) -> None:
+    if train_steps < 0:
+        raise ValueError(f"train_steps must be 0 (random weights) or positive, got {train_steps}")
+
+
+def _train(out: pathlib.Path, train_steps: int, seed: int) -> None:
+    from engine.train_model import train_on_corpus
+
+    record = train_on_corpus(out, train_steps, seed=seed)
+    print(f"make-model: trained {train_steps} steps, loss {record['final_loss']:.3g} -> {out}")
 
 
 COMPLETE_MARKER = ".tandem-complete"
@@ -380,16 +404,20 @@ def cached_model(
     preset: str = "small",
     seed: int = 0,
     cache_dir: str | pathlib.Path | None = None,
+    train_steps: int = 0,
 ) -> pathlib.Path:
     """The checkpoint for (arch, preset, seed) in `cache_dir` (default: `default_cache_dir()`),
-    made on first use; returns `cache_dir/{arch}-{preset}-seed{seed}`.
+    made on first use; returns `cache_dir/{arch}-{preset}-seed{seed}`, with `-trained{N}`
+    appended when it is trained for `train_steps` = N > 0 steps (see `make_model`).
 
     A directory counts as made only when it holds `COMPLETE_MARKER`. It is written into a
     private temporary directory, the marker last, and renamed into place in one step, so a
     crash never leaves a directory that looks complete, and two processes making the same
     model at once both end up with the one that won the rename."""
+    _check_train_steps(train_steps)
     root = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    out = root / f"{arch}-{preset}-seed{seed}"
+    name = f"{arch}-{preset}-seed{seed}" + (f"-trained{train_steps}" if train_steps > 0 else "")
+    out = root / name
     if (out / COMPLETE_MARKER).is_file():
         return out
     model_shape(arch, preset)  # an unknown name fails here, before any directory is made
@@ -397,7 +425,9 @@ def cached_model(
     tmp = _private_dir(out, "tmp")
     try:
         make_model(tmp, arch=arch, preset=preset, seed=seed)
-        (tmp / COMPLETE_MARKER).write_text(f"{arch} {preset} seed={seed}\n")
+        if train_steps > 0:  # not passed to make_model, whose stand-ins in tests lack it
+            _train(tmp, train_steps, seed)
+        (tmp / COMPLETE_MARKER).write_text(f"{arch} {preset} seed={seed} train={train_steps}\n")
         _discard_incomplete(out)
         try:
             tmp.rename(out)
@@ -455,6 +485,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-position-embeddings", type=int, default=None, help="override the context length"
     )
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="train this many steps on the embedded corpus (peaked distributions; 0: random)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -464,5 +500,6 @@ def run(args: argparse.Namespace) -> int:
         preset=args.preset,
         seed=args.seed,
         max_position_embeddings=args.max_position_embeddings,
+        train_steps=args.train_steps,
     )
     return 0

@@ -27,3 +27,22 @@ def make_tiny_model(tmp_path_factory):
         return cached_model(arch, preset, seed, cache_dir=root)
 
     return get
+
+
+# Steps of corpus training that make a tiny checkpoint peaked like a trained model's (it
+# memorises engine.tokenizer_corpus): what accuracy tests of quantization measure on.
+TRAIN_STEPS = 300
+
+
+@pytest.fixture(scope="session")
+def make_trained_model(tmp_path_factory):
+    """`get(arch) -> Path`: the tiny checkpoint of `arch` (seed 0) trained TRAIN_STEPS steps on
+    the tokenizer corpus, made once per session (about 10 s per arch on an idle 2-core box)."""
+    from engine.make_model import cached_model
+
+    root = tmp_path_factory.mktemp("trained-models")
+
+    def get(arch: str = "llama") -> Path:
+        return cached_model(arch, "tiny", 0, cache_dir=root, train_steps=TRAIN_STEPS)
+
+    return get

@@ -36,8 +36,11 @@ class CopyConnector:
         h = self.handoffs.pop(request_id)
         blocks = dict(self.admitted)[request_id]
         assert len(blocks) == len(h.block_ids)
+        src_cache, dst_cache = self.prefill.cache, self.decode.cache
         for src, dst in zip(h.block_ids, blocks, strict=True):
-            self.decode.cache.data[dst].copy_(self.prefill.cache.data[src])
+            dst_cache.data[dst].copy_(src_cache.data[src])
+            if src_cache.scales is not None:  # FP8 KV: the per-token scales travel too
+                dst_cache.scales[dst].copy_(src_cache.scales[src])
         self.prefill.release(request_id)
         self.decode.commit_remote(request_id)
 

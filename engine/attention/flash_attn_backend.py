@@ -38,9 +38,14 @@ class FlashAttentionBackend:
             kc, vc, _, _ = cache.layer_views(layer)
             lens = meta.decode_context_lens.to(torch.int32)
             o = self._with_kvcache(
-                q.unsqueeze(1), kc, vc, cache_seqlens=lens,
-                block_table=meta.block_tables.to(torch.int32), softmax_scale=self.scale,
-                causal=True, window_size=self.window,
+                q.unsqueeze(1),
+                kc,
+                vc,
+                cache_seqlens=lens,
+                block_table=meta.block_tables.to(torch.int32),
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=self.window,
             )
             return o.squeeze(1)
         # General path: gather each sequence's context into one packed varlen batch.
@@ -61,7 +66,14 @@ class FlashAttentionBackend:
         cu_kt = torch.tensor(cu_k, dtype=torch.int32, device=dev)
         qlens = [meta.query_start[i + 1] - meta.query_start[i] for i in range(n)]
         return self._varlen(
-            q, torch.cat(ks), torch.cat(vs), cu_q, cu_kt, max(qlens),
-            max(cu_k[i + 1] - cu_k[i] for i in range(n)), softmax_scale=self.scale,
-            causal=True, window_size=self.window,
+            q,
+            torch.cat(ks),
+            torch.cat(vs),
+            cu_q,
+            cu_kt,
+            max(qlens),
+            max(cu_k[i + 1] - cu_k[i] for i in range(n)),
+            softmax_scale=self.scale,
+            causal=True,
+            window_size=self.window,
         )

@@ -34,9 +34,7 @@ class DecodePlan:
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(
-        self, scale: float, sliding_window: int | None = None, cpu_kernel: bool = True
-    ):
+    def __init__(self, scale: float, sliding_window: int | None = None, cpu_kernel: bool = True):
         self.scale = scale
         self.sliding_window = sliding_window
         # The compiled paged decode for CPU (None: the gather reference below is used).
@@ -50,8 +48,7 @@ class TorchAttentionBackend:
     def forward(self, layer, q, k, v, cache: KVCache) -> torch.Tensor:
         meta = get_forward_context()
         plan = self._decode_plan(meta, cache.spec.block_size, q.device)
-        if (self._cache_write is not None and cache.scales is None
-                and k.dtype == cache.data.dtype):
+        if self._cache_write is not None and cache.scales is None and k.dtype == cache.data.dtype:
             kc, vc, _, _ = cache.layer_views(layer)
             self._cache_write(kc, vc, self._blocks, self._offsets, k, v)
         else:
@@ -96,7 +93,10 @@ class TorchAttentionBackend:
                 mask = m[:, None, None, :]
             plan = DecodePlan(
                 rows=None if contiguous else torch.tensor(rows, device=device),
-                tables=tables, ctx=lens[0], mask=mask, lens=meta.decode_context_lens,
+                tables=tables,
+                ctx=lens[0],
+                mask=mask,
+                lens=meta.decode_context_lens,
             )
         self._plan_meta, self._plan = meta, plan
         return plan
@@ -113,8 +113,12 @@ class TorchAttentionBackend:
         if plan.mask is None:  # a single sequence: attend to exactly its keys
             kb, vb = kb[:, : plan.ctx], vb[:, : plan.ctx]
         o = F.scaled_dot_product_attention(
-            qd.unsqueeze(2), kb.transpose(1, 2), vb.transpose(1, 2), attn_mask=plan.mask,
-            scale=self.scale, enable_gqa=qd.shape[1] != h,
+            qd.unsqueeze(2),
+            kb.transpose(1, 2),
+            vb.transpose(1, 2),
+            attn_mask=plan.mask,
+            scale=self.scale,
+            enable_gqa=qd.shape[1] != h,
         )
         return o.squeeze(2)
 

@@ -88,11 +88,19 @@ def cpu_has_avx512() -> bool:
 
 
 def source() -> str:
-    return "\n".join([
-        _HEADER, linear.SOURCE, paged_decode.SOURCE, fused.SOURCE,
-        "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
-        linear.BINDINGS, paged_decode.BINDINGS, fused.BINDINGS, "}",
-    ])
+    return "\n".join(
+        [
+            _HEADER,
+            linear.SOURCE,
+            paged_decode.SOURCE,
+            fused.SOURCE,
+            "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
+            linear.BINDINGS,
+            paged_decode.BINDINGS,
+            fused.BINDINGS,
+            "}",
+        ]
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -106,8 +114,11 @@ def ops() -> CpuOps | None:
         # Long work shows progress: a first build takes ~35-60 s on a small box, and workers
         # log at WARNING by default, so say so at that level (only when nothing is cached).
         level = logging.WARNING if not _cached() else logging.DEBUG
-        log.log(level, "building tandem's CPU kernels (first use on this machine, up to a "
-                "minute; cached afterwards)")
+        log.log(
+            level,
+            "building tandem's CPU kernels (first use on this machine, up to a "
+            "minute; cached afterwards)",
+        )
         mod = load_inline(
             name=_NAME,
             cpp_sources=[source()],
@@ -134,9 +145,11 @@ def ops() -> CpuOps | None:
     gemm_ok = found.tiled_linear is not None and _passes(linear.check, found)
     attn_ok = found.paged_decode is not None and _passes(paged_decode.check, found)
     fused_ok = found.add_rms_norm is not None and _passes(fused.check, found)
-    for name, ok, present in (("narrow-weight linear", gemm_ok, found.tiled_linear),
-                              ("paged decode", attn_ok, found.paged_decode),
-                              ("fused elementwise", fused_ok, found.add_rms_norm)):
+    for name, ok, present in (
+        ("narrow-weight linear", gemm_ok, found.tiled_linear),
+        ("paged decode", attn_ok, found.paged_decode),
+        ("fused elementwise", fused_ok, found.add_rms_norm),
+    ):
         if present is not None and not ok:
             log.warning("tandem CPU kernel %r disagrees with its reference; not using it", name)
     return CpuOps(

@@ -205,15 +205,15 @@ def check(ops) -> bool:
     """Each op within rounding of its reference, fp32 and bf16, on ragged shapes."""
     g = torch.Generator().manual_seed(0)
     for dt in (torch.float32, torch.bfloat16):
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 1e-2,
-                                                                         "atol": 1e-2}
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dt == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
         x = torch.randn(5, 48, generator=g, dtype=torch.float32).to(dt)
         res = torch.randn(5, 48, generator=g, dtype=torch.float32).to(dt)
         w = torch.randn(48, generator=g, dtype=torch.float32).to(dt)
         out, new_res = ops.add_rms_norm(x, res, w, 1e-6)
         ref_out, ref_res = reference_add_rms_norm(x, res, w, 1e-6)
-        if not (torch.allclose(out.float(), ref_out.float(), **tol)
-                and torch.equal(new_res, ref_res)):
+        if not (
+            torch.allclose(out.float(), ref_out.float(), **tol) and torch.equal(new_res, ref_res)
+        ):
             return False
         qkv = torch.randn(3, 5, 8, generator=g, dtype=torch.float32).to(dt)
         cos = torch.randn(3, 8, generator=g, dtype=torch.float32)

@@ -395,8 +395,9 @@ def check_cache_write(ops) -> bool:
 
     g = torch.Generator().manual_seed(1)
     for dt in (torch.float32, torch.bfloat16):
-        spec = KVCacheSpec(model="check", num_layers=2, num_kv_heads=2, head_dim=8,
-                           block_size=4, dtype=dt)
+        spec = KVCacheSpec(
+            model="check", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dt
+        )
         a, b = KVCache(spec, 5), KVCache(spec, 5)
         qkv = torch.randn(6, 6, 8, generator=g, dtype=torch.float32).to(dt)
         k, v = qkv[:, 2:4], qkv[:, 4:]  # strided views, as the model passes them

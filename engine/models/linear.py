@@ -1,9 +1,10 @@
-"""`Linear`: the projection layer of the models, with CPU GEMM routing and int8 weights.
+"""`Linear`: the projection layer of the models, with CPU GEMM routing and quantized weights.
 
 On CPUs without bf16 instructions, torch's bf16 GEMM is oneDNN's emulation, several times
 slower than fp32; `Linear` routes those GEMMs by row count to engine.kernels' bf16 kernels or
-to oneDNN's fp32 GEMM on widened copies. After weight-only quantization (`quantize_linears`,
-the scheme in `engine.quantization`) it multiplies int8 weights with per-channel scales.
+to oneDNN's fp32 GEMM on widened copies. After quantization (`quantize_linears`, the schemes in
+`engine.quantization`) it multiplies int8 weights (weight-only) or FP8 weights (W8A8 through
+`torch._scaled_mm`, or weight-only).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from engine import quantization
 from engine.kernels import CpuOps
+from engine.quantization import fp8
 
 # Row counts that pick the bf16 GEMM on CPUs without bf16 instructions (see Linear); measured
 # on the project's 2-core box (`python benchmarks/cpu_kernels.py`).
@@ -61,27 +63,61 @@ class Linear(nn.Linear):
 
     After `quantize_int8` the weight is int8 with per-channel scales and `_forward_int8` runs
     instead: the same kernels with int8 weights on CPU (`int8_ops`), dequantized fp32 GEMMs for
-    prefill-sized inputs, torch's `F.linear(x, q.to(dtype)) * scale` elsewhere.
+    prefill-sized inputs, torch's `F.linear(x, q.to(dtype)) * scale` elsewhere. After
+    `quantize_fp8` / `empty_fp8` the weight is FP8 e4m3 and `_forward_fp8` runs: W8A8 through
+    `torch._scaled_mm` when `fp8_activations`, else weight-only (engine.quantization.fp8).
     """
 
     cpu_ops: CpuOps | None = None  # set when the bf16 routing is on
     widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
     int8_ops: CpuOps | None = None  # set for int8 weights on a CPU with AVX-512
-    # After quantize_int8: buffers qweight (int8 [N, K]) and wscale (fp32 [N]); weight is None.
-    quantized = False
+    # After quantization: buffers qweight (int8 or e4m3 [N, K]) and wscale (fp32 [N], or
+    # [N, ceil(K / block_k)] for block-wise FP8); weight is None. scheme: None, "int8", "fp8".
+    scheme: str | None = None
+    fp8_activations = False  # FP8 only: W8A8 (True) or weight-only (False)
+    block_k = 0  # FP8 only: the K block of block-wise scales; 0 = one scale per output channel
+    # FP8 W8A8 with a checkpoint's static scale: buffer `input_scale` (None otherwise),
+    # registered by `_replace_weight` (a class attribute would shadow the buffer).
 
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 + per-channel scales (engine.quantization)."""
-        q, scale = quantization.quantize_int8(self.weight.data)
+    @property
+    def quantized(self) -> bool:
+        return self.scheme is not None
+
+    def _replace_weight(self, scheme: str, q: torch.Tensor, scale: torch.Tensor) -> None:
         del self.weight
         self.register_buffer("qweight", q)
         self.register_buffer("wscale", scale)
-        self.weight = None  # nn.Linear's attribute; the int8 buffers replace it
-        self.quantized = True
+        self.weight = None  # nn.Linear's attribute; the quantized buffers replace it
+        self.register_buffer("input_scale", None)
+        self.scheme = scheme
+
+    def quantize_int8(self) -> None:
+        """Replace the weight by int8 + per-channel scales (engine.quantization)."""
+        self._replace_weight("int8", *quantization.quantize_int8(self.weight.data))
+
+    def quantize_fp8(self, activations: bool) -> None:
+        """Replace the weight by FP8 e4m3 + per-channel scales; `activations`: W8A8."""
+        self._replace_weight("fp8", *fp8.quantize_fp8_weight(self.weight.data))
+        self.fp8_activations = activations
+
+    def empty_fp8(self, activations: bool, block_k: int = 0, static_input: bool = False) -> None:
+        """Replace the weight by empty FP8 buffers for a loader to fill: scales per output
+        channel, or per row and block of `block_k` columns; `static_input` adds an
+        `input_scale` (a checkpoint's per-tensor activation scale, -inf until loaded)."""
+        n, k = self.weight.shape
+        dev = self.weight.device
+        q = torch.empty(n, k, dtype=fp8.FP8, device=dev)
+        shape = (n, -(-k // block_k)) if block_k else (n,)
+        self._replace_weight("fp8", q, torch.empty(shape, dtype=torch.float32, device=dev))
+        self.fp8_activations, self.block_k = activations, block_k
+        if static_input:
+            self.register_buffer("input_scale", torch.full((), -torch.inf, device=dev))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized:
+        if self.scheme == "int8":
             return self._forward_int8(x)
+        if self.scheme == "fp8":
+            return self._forward_fp8(x)
         ops = self.cpu_ops
         if ops is None and not self.widen_fallback:
             return F.linear(x, self.weight, self.bias)
@@ -109,16 +145,34 @@ class Linear(nn.Linear):
         y = F.linear(x, self.qweight.to(x.dtype)) * self.wscale.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.fp8_activations:
+            y = fp8.fp8_linear(
+                x2, self.qweight, self.wscale, self.bias, self.block_k, self.input_scale
+            )
+        else:
+            y = fp8.fp8_weight_only_linear(x2, self.qweight, self.wscale, self.bias, self.block_k)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
 
 def quantize_linears(module: nn.Module, method: str | None) -> int:
-    """Quantize every `Linear` inside `module` in place with `method` (engine.quantization's
-    names; "none" or None does nothing); returns how many were quantized. The caller picks
-    the module: the models pass their decoder layers so the head and embeddings stay exact."""
-    if quantization.validate(method) == "none":
+    """Quantize every full-precision `Linear` inside `module` in place with `method` (one of
+    engine.quantization.RESOLVED; "none", "auto" or None does nothing); returns how many were
+    quantized. The caller picks the module: the models pass their decoder layers so the head
+    and embeddings stay exact. Layers already quantized (an FP8 checkpoint's) are left alone."""
+    method = quantization.validate(method)
+    if method in ("none", "auto"):
         return 0
+    if method not in quantization.RESOLVED:
+        raise ValueError(f"quantization {method!r} must be resolved first (engine.quantization)")
     n = 0
     for mod in module.modules():
-        if isinstance(mod, Linear):
-            mod.quantize_int8()
+        if isinstance(mod, Linear) and not mod.quantized:
+            if method == "int8":
+                mod.quantize_int8()
+            else:
+                mod.quantize_fp8(activations=method == "fp8")
             n += 1
     return n

@@ -181,15 +181,16 @@ class CausalLM(nn.Module):
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
 
     def quantize(self, method: str | None) -> int:
-        """Weight-only quantization of the decoder layers' projections (engine.quantization;
-        the head and embeddings stay exact); on CPU the int8 layers use the compiled kernels
-        when they are available. Returns how many projections were quantized."""
+        """Quantize the decoder layers' projections (`method`: one of
+        engine.quantization.RESOLVED; the head and embeddings stay exact); on CPU the int8
+        layers use the compiled kernels when they are available. Returns how many projections
+        were quantized (an FP8 checkpoint's layers already are and do not count)."""
         n = quantize_linears(self.model.layers, method)
         if n and self.lm_head.weight.device.type == "cpu":
             ops = kernels.ops()
             if ops is not None and ops.tiled_linear is not None:
                 for m in self.modules():
-                    if isinstance(m, Linear) and m.quantized:
+                    if isinstance(m, Linear) and m.scheme == "int8":
                         m.int8_ops = ops
         return n
 

@@ -1,6 +1,7 @@
-"""benchmarks/compare_disagg.py --quick against the tiny llama: all three deployments (1P+1D
-disagg, 2 colocated replicas with and without chunked prefill) start on a local Ray cluster,
-serve real streamed requests, and the run writes its JSON, markdown table and plot."""
+"""benchmarks/compare_disagg.py --quick against the tiny llama: all four deployments (1P+1D
+disagg, the same with --quantized, 2 colocated replicas with and without chunked prefill) start
+on a local Ray cluster, serve real streamed requests, and the run writes its JSON, markdown
+table and plot."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_compare_quick_writes_table_json_and_plot(make_tiny_model, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "compare.json").read_text())
     modes = {p["mode"] for p in doc["points"]}
-    assert modes == {"disagg", "colocated-chunked", "colocated-nochunk"}
+    assert modes == {"disagg", "disagg-quantized", "colocated-chunked", "colocated-nochunk"}
     for p in doc["points"]:
         assert p["completed"] == 4 and p["failed"] == 0, p
         assert p["ttft_p50_ms"] > 0 and p["tpot_p99_ms"] > 0 and p["output_tok_s"] > 0
@@ -43,11 +44,19 @@ def test_compare_quick_writes_table_json_and_plot(make_tiny_model, tmp_path):
         # ignore_eos makes every output exactly as long as asked.
         assert all(r["output_len"] == r["target_output_len"] for r in raw["requests"])
     # In disagg every prompt went through the prefill actor (threshold 0).
-    disagg = next(p for p in doc["points"] if p["mode"] == "disagg")
-    assert disagg["worker_stats"]["decode-0"].get("local_prefills", 0) == 0
-    (ratio,) = doc["tpot_p99_ratio_disagg_over_colocated"]
-    assert ratio["colocated-chunked"] > 0 and ratio["colocated-nochunk"] > 0
+    for mode in ("disagg", "disagg-quantized"):
+        disagg = next(p for p in doc["points"] if p["mode"] == mode)
+        assert disagg["worker_stats"]["decode-0"].get("local_prefills", 0) == 0
+    # The quantized deployment really ran quantized pools (int8: weight-only decode on CPU).
+    quant = next(p for p in doc["points"] if p["mode"] == "disagg-quantized")["worker_stats"]
+    assert (quant["prefill-0"]["weights"], quant["decode-0"]["weights"]) == ("fp8", "int8")
+    plain = next(p for p in doc["points"] if p["mode"] == "disagg")["worker_stats"]
+    assert plain["prefill-0"]["weights"] == plain["decode-0"]["weights"] != "int8"
+    ratios = doc["tpot_p99_ratio_disagg_over_colocated"]
+    assert sorted(r["mode"] for r in ratios) == ["disagg", "disagg-quantized"]
+    assert all(r["colocated-chunked"] > 0 and r["colocated-nochunk"] > 0 for r in ratios)
     md = (out / "compare.md").read_text()
     assert "| chat | 2 | disagg |" in md and "TPOT p99 ratio" in md
+    assert "| chat | 2 | disagg-quantized |" in md
     assert (out / "compare_chat.png").read_bytes().startswith(PNG_MAGIC)
     assert "| chat | 2 | colocated-nochunk |" in proc.stdout

@@ -9,9 +9,11 @@ import dataclasses
 import pytest
 
 from cluster import cli
-from cluster.serve import ServeSettings, settings_from_args
+from cluster.serve import Deployment, ServeSettings, settings_from_args
 from engine.config_flags import cli_fields, flag_name
 from engine.llm_engine import EngineConfig
+from engine.quantization import resolve
+from engine.roles import COLOCATED, DECODE, PREFILL
 from router.config import RouterConfig
 
 
@@ -114,3 +116,108 @@ def test_api_key_from_the_environment(monkeypatch):
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ServeSettings(model="/m", **kwargs)
+
+
+# ---- quantization: per pool, and the quantized profile ---------------------------------------
+
+
+def _quantization(s: ServeSettings) -> tuple[str, str, str]:
+    """(prefill, decode, KV dtype) a deployment of `s` gives its workers."""
+    return s.prefill_quantization, s.decode_quantization, s.engine.get("kv_dtype", "auto")
+
+
+def test_quantization_defaults_keep_the_checkpoint():
+    s = settings_from_args(_parse())
+    assert (s.quantized, _quantization(s)) == (False, ("auto", "auto", "auto"))
+    assert _quantization(ServeSettings(model="/m")) == ("auto", "auto", "auto")
+
+
+def test_quantized_is_fp8_prefill_weight_only_decode_fp8_kv():
+    want = ("fp8", "weight-only", "fp8_e4m3")
+    assert _quantization(settings_from_args(_parse("--quantized"))) == want
+    # The Python form agrees with the command line.
+    assert _quantization(ServeSettings(model="/m", quantized=True)) == want
+    assert _quantization(settings_from_args(_parse("--quantized", "--no-quantized")))[0] == "auto"
+
+
+@pytest.mark.parametrize(
+    "argv, want",
+    [
+        # A per-pool setting given explicitly wins over the switch, in either order.
+        (["--decode-quantization", "int8", "--quantized"], ("fp8", "int8", "fp8_e4m3")),
+        (["--quantized", "--prefill-quantization", "none"], ("none", "weight-only", "fp8_e4m3")),
+        (
+            [
+                "--quantized",
+                "--prefill-quantization",
+                "fp8-weight-only",
+                "--decode-quantization",
+                "none",
+            ],
+            ("fp8-weight-only", "none", "fp8_e4m3"),
+        ),
+        # `--kv-dtype auto` given explicitly cannot be told from the default: the switch sets
+        # FP8 KV unless --kv-dtype names a concrete dtype (today fp8_e4m3 is the only one).
+        (["--quantized", "--kv-dtype", "auto"], ("fp8", "weight-only", "fp8_e4m3")),
+        (["--quantized", "--kv-dtype", "fp8_e4m3"], ("fp8", "weight-only", "fp8_e4m3")),
+        # Without the switch each flag goes through as given.
+        (["--decode-quantization", "int8"], ("auto", "int8", "auto")),
+        (["--prefill-quantization", "fp8", "--kv-dtype", "fp8_e4m3"], ("fp8", "auto", "fp8_e4m3")),
+    ],
+)
+def test_explicit_settings_win_over_the_quantized_switch(argv, want):
+    assert _quantization(settings_from_args(_parse(*argv))) == want
+
+
+def test_quantized_sets_the_kv_dtype_in_a_copy_of_the_engine_overrides():
+    """The switch changes only an absent or "auto" kv_dtype (fp8_e4m3, today the only other
+    KV dtype, stays as it is), and copies `engine` instead of changing the caller's dict."""
+    engine = {"kv_dtype": "auto", "block_size": 32}
+    s = ServeSettings(model="/m", quantized=True, engine=engine)
+    assert s.engine == {"kv_dtype": "fp8_e4m3", "block_size": 32}
+    assert engine == {"kv_dtype": "auto", "block_size": 32}
+    # Applying the settings twice (dataclasses.replace runs __post_init__ again) is stable.
+    again = dataclasses.replace(s)
+    assert _quantization(again) == _quantization(s)
+
+
+def test_decode_quantization_int8_keeps_the_prefill_pool_full():
+    """`--decode-quantization int8` (tests/e2e/test_serve_quantized.py) as before: int8 on the
+    decode pool and colocated replicas, the prefill pool on the checkpoint's weights."""
+    s = settings_from_args(_parse("--decode-quantization", "int8"))
+    dep = Deployment(s)
+    assert (dep._quantization(PREFILL), dep._quantization(DECODE)) == ("auto", "int8")
+    assert dep._quantization(COLOCATED) == "int8"
+    assert s.engine["kv_dtype"] == "auto"
+    # "auto" on a full checkpoint is full weights: the prefill worker's label stays the dtype.
+    assert resolve(dep._quantization(PREFILL), False, "cpu") == "none"
+
+
+def test_deployment_gives_each_pool_its_quantization():
+    s = settings_from_args(
+        _parse("--prefill-quantization", "fp8", "--decode-quantization", "fp8-weight-only")
+    )
+    dep = Deployment(s)  # no Ray: nothing starts until .start()
+    assert dep._quantization(PREFILL) == "fp8"
+    assert dep._quantization(DECODE) == dep._quantization(COLOCATED) == "fp8-weight-only"
+    quantized = Deployment(ServeSettings(model="/m", quantized=True))
+    assert (quantized._quantization(PREFILL), quantized._quantization(DECODE)) == (
+        "fp8",
+        "weight-only",
+    )
+
+
+@pytest.mark.parametrize("flag", ["--prefill-quantization", "--decode-quantization"])
+def test_an_unknown_quantization_is_refused_naming_the_flag(flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(flag, "bogus")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: 'bogus'" in err
+    assert "weight-only" in err  # the choices are listed
+
+
+@pytest.mark.parametrize("field", ["prefill_quantization", "decode_quantization"])
+def test_an_unknown_quantization_is_refused_by_the_python_form(field):
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        ServeSettings(model="/m", **{field: "int4"})

@@ -335,3 +335,13 @@ def serve_argv(command: str) -> list[str]:
             break
         argv.append(w)
     return argv
+
+
+def head_serve_argv(manifests: list[dict[str, Any]]) -> list[str]:
+    """The arguments after `tandem serve` in the rendered head container's script (exactly one
+    `tandem serve` line)."""
+    rc = one(manifests, "RayCluster")
+    script = rc["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
+    lines = [ln.strip() for ln in script.splitlines() if "tandem serve" in ln]
+    assert len(lines) == 1, script
+    return serve_argv(lines[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -149,3 +150,39 @@ def test_ray_start_commands_parse_with_rays_cli(path: Path) -> None:
     assert len(head) == 1 and head[0]["head"], head
     assert len(workers) == 1 and not workers[0]["head"], workers
     assert workers[0]["address"] == f"10.0.0.1:{head[0]['port']}", workers[0]["address"]
+
+
+def _comment_flag_spans(path: Path) -> list[str]:
+    """The `--flag ...` spans (in backticks) of the YAML's comments, lines joined."""
+    comments = " ".join(
+        ln.strip().lstrip("#").strip()
+        for ln in path.read_text().splitlines()
+        if ln.lstrip().startswith("#")
+    )
+    return [span for span in re.findall(r"`([^`]+)`", comments) if span.startswith("--")]
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_documented_quantization_flags_parse(path: Path) -> None:
+    """The serve line names each pool's quantization and the KV dtype; the comment above it
+    shows the quantized profile (`--quantized`) and its explicit equivalent. Each documented
+    span added to the serve line parses with the real parser, and the two spellings of the
+    profile give the workers the same settings."""
+    from cluster.serve import settings_from_args
+
+    def quantization(extra: list[str]) -> tuple[str, str, str]:
+        s = settings_from_args(parse_serve_args(argv + extra))
+        return s.prefill_quantization, s.decode_quantization, s.engine["kv_dtype"]
+
+    argv = serve_argv(_serve_command(_load(path)))
+    assert {"--prefill-quantization", "--decode-quantization", "--kv-dtype"} <= given_flags(argv)
+    as_shipped = quantization([])
+    assert as_shipped[:2] == ("auto", "auto"), as_shipped
+    spans = _comment_flag_spans(path)
+    assert "--quantized" in spans, spans
+    results = {span: quantization(shlex.split(span)) for span in spans}
+    profile = ("fp8", "weight-only", "fp8_e4m3")
+    assert results.pop("--quantized") == profile
+    # The explicit equivalent the comment gives, and the line's own per-pool flags.
+    assert profile in results.values(), results
+    assert as_shipped in results.values(), results

@@ -7,21 +7,33 @@ import time
 from pathlib import Path
 
 
-def kv_block_bytes(model: Path, block_size: int = 16, dtype_bytes: int = 4) -> int:
-    """Bytes of one KV block of `model` (every layer's K and V): what a hand-off moves."""
+def kv_block_bytes(
+    model: Path, block_size: int = 16, dtype_bytes: int = 4, kv_dtype: str = "auto"
+) -> int:
+    """Bytes of one KV block of `model` (every layer's K and V): what a hand-off moves.
+    `kv_dtype="auto"` stores KV in the model dtype (`dtype_bytes` an element); "fp8_e4m3"
+    stores one byte an element plus one float32 scale per token and head, which travel with
+    the block (engine/kv_cache.py), whatever the model dtype."""
     cfg = json.loads((model / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * dtype_bytes
+    vectors = 2 * cfg["num_hidden_layers"] * kv_heads * block_size  # one per token, head, K/V
+    if kv_dtype == "fp8_e4m3":
+        return vectors * (head_dim * 1 + 4)
+    if kv_dtype != "auto":
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
+    return vectors * head_dim * dtype_bytes
 
 
 class TransferCheck:
     """Proof that remote requests were served from transferred KV: snapshot the decode
-    pool's counters before a batch, then `verify(prompt_lengths)` after it."""
+    pool's counters before a batch, then `verify(prompt_lengths)` after it. `kv_dtype` is the
+    servers' --kv-dtype (the bytes a block moves depend on it)."""
 
-    def __init__(self, server, model: Path, block_size: int = 16):
+    def __init__(self, server, model: Path, block_size: int = 16, kv_dtype: str = "auto"):
         self.server, self.model, self.block_size = server, model, block_size
+        self.kv_dtype = kv_dtype
         self.before = self._settled()
 
     def _settled(self, timeout: float = 15.0) -> dict[str, float]:
@@ -56,5 +68,5 @@ class TransferCheck:
         assert delta["tandem_kv_transfer_failures_total"] == 0, f"transfers failed: {delta}"
         assert delta["tandem_kv_remote_prefills_total"] == n, delta
         blocks = sum(-(-length // self.block_size) for length in remote_prompt_lengths)
-        expected = blocks * kv_block_bytes(self.model, self.block_size)
+        expected = blocks * kv_block_bytes(self.model, self.block_size, kv_dtype=self.kv_dtype)
         assert delta["tandem_kv_transfer_bytes_total"] == expected, (delta, expected)

@@ -15,9 +15,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(script: str, out: Path, model_dir: Path) -> tuple[str, dict]:
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--json", str(out),
-         "--model-dir", str(model_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / script),
+            "--quick",
+            "--json",
+            str(out),
+            "--model-dir",
+            str(model_dir),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout, json.loads(out.read_text())
@@ -55,3 +65,20 @@ def test_roofline_quick(make_tiny_model, tmp_path):
         )
     assert res["prefill"]["tokens"] == 128 and res["prefill"]["fraction_of_peak"] > 0
     assert r["decode_b1_fraction"] == res["decode"]["1"]["fraction_of_bound"]
+
+
+@pytest.mark.timeout(300)
+def test_quant_accuracy_quick(make_tiny_model, tmp_path):
+    """Random weights here (the accuracy bounds are tests/engine/test_quant_accuracy.py's on
+    trained ones): only that every mode is measured and the table is printed."""
+    stdout, r = _run("quant_accuracy.py", tmp_path / "qa.json", make_tiny_model("llama"))
+    assert "| arch | mode | cos mean" in stdout and "issue bounds" in stdout
+    modes = r["results"]["llama"]["modes"]
+    assert set(modes) == {"bf16", "fp8", "fp8-weight-only", "int8", "fp8+int8"}
+    for mode in ("bf16", "fp8", "fp8-weight-only", "int8"):
+        row = modes[mode]
+        assert -1.0 <= row["cos_min"] <= row["cos_mean"] <= 1.0 + 1e-6
+        assert 0.0 <= row["top1"] <= 1.0 and row["kl"] >= 0.0
+        assert row["by_group"]["corpus"]["positions"] == 400  # 2 windows of 200 in --quick
+    assert modes["bf16"]["kl_ratio"] == pytest.approx(1.0)
+    assert all(0.0 <= m["greedy"] <= 1.0 for m in modes.values())

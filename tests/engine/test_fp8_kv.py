@@ -10,8 +10,14 @@ from engine.kv_cache import KVCache, KVCacheSpec
 
 
 def test_fp8_block_is_half_the_bytes_plus_scales():
-    kw = dict(model="LlamaForCausalLM", num_layers=4, num_kv_heads=2, head_dim=64,
-              block_size=16, dtype=torch.bfloat16)
+    kw = dict(
+        model="LlamaForCausalLM",
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+    )
     bf16, fp8 = KVCacheSpec(**kw), KVCacheSpec(**kw, kv_dtype="fp8_e4m3")
     assert fp8.block_bytes * 2 == bf16.block_bytes
     assert fp8.scale_block_bytes == 4 * 2 * 16 * 2 * 4  # one fp32 per token, head, k/v, layer
@@ -44,6 +50,9 @@ def test_fp8_kv_generation_tracks_the_exact_cache(make_tiny_model):
     assert llm.engine.block_manager.num_free_blocks == free
     # The first token comes from the prefill's own K/V: identical. Later ones read FP8 KV.
     assert [o.token_ids[0] for o in fp8] == [o.token_ids[0] for o in exact]
-    same = sum(a == b for x, y in zip(exact, fp8, strict=True)
-               for a, b in zip(x.token_ids, y.token_ids, strict=True))
+    same = sum(
+        a == b
+        for x, y in zip(exact, fp8, strict=True)
+        for a, b in zip(x.token_ids, y.token_ids, strict=True)
+    )
     assert same / sum(len(o.token_ids) for o in exact) > 0.5

@@ -52,7 +52,7 @@ def test_quantize_linears_touches_only_the_module_given():
 
 
 def test_validate_names_the_field():
-    assert validate(None) == "none" and validate("int8") == "int8"
+    assert validate(None) == "auto" and validate("int8") == "int8"
     with pytest.raises(ValueError, match="quantization"):
         validate("int4")
 

@@ -29,10 +29,12 @@ class Pair:
         kw = dict(model=str(model), dtype="float32", max_num_batched_tokens=128)
         pe = LLMEngine(EngineConfig(**kw, role="prefill", num_kv_blocks=64))
         de = LLMEngine(EngineConfig(**kw, role="decode", num_kv_blocks=decode_blocks or 64))
-        self.p = PrefillServer(f"p{n}", pe, KVTransferAgent(f"p{n}", pe.cache,
-                                                            lease_seconds=lease_seconds))
-        self.d = DecodeServer(f"d{n}", de, KVTransferAgent(f"d{n}", de.cache,
-                                                           lease_seconds=lease_seconds))
+        self.p = PrefillServer(
+            f"p{n}", pe, KVTransferAgent(f"p{n}", pe.cache, lease_seconds=lease_seconds)
+        )
+        self.d = DecodeServer(
+            f"d{n}", de, KVTransferAgent(f"d{n}", de.cache, lease_seconds=lease_seconds)
+        )
         self.ctx = zmq.Context()
         self.sink = self.ctx.socket(zmq.PULL)
         self.sink.bind("tcp://127.0.0.1:*")
@@ -83,8 +85,10 @@ class Pair:
             if pb.num_free_blocks == pb.num_blocks and db.num_free_blocks == db.num_blocks:
                 return
             time.sleep(0.05)
-        raise AssertionError(f"blocks held: prefill {pb.num_blocks - pb.num_free_blocks}, "
-                             f"decode {db.num_blocks - db.num_free_blocks}")
+        raise AssertionError(
+            f"blocks held: prefill {pb.num_blocks - pb.num_free_blocks}, "
+            f"decode {db.num_blocks - db.num_free_blocks}"
+        )
 
     def close(self):
         self.p.stop()

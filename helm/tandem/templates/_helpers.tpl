@@ -176,13 +176,15 @@ metrics-export-port: {{ $p.metrics | toString | quote }}
 {{- printf "\"{\\\"%s\\\": %s}\"" .rayResource (include "tandem.poolSlots" .) }}
 {{- end }}
 
-{{/* The `tandem serve` command line the head runs after `ray start`. */}}
+{{/* The `tandem serve` command line the head runs after `ray start`. model.quantized adds
+`--quantized`, which changes only the quantization settings left at auto (and --kv-dtype auto). */}}
 {{- define "tandem.serveArgs" -}}
 {{- $v := .Values -}}
 tandem serve --model {{ include "tandem.modelPath" . | quote }} --served-model-name {{ include "tandem.servedModelName" . | quote }} --mode {{ $v.serving.mode }}
 {{- if eq $v.serving.mode "disagg" }} --prefill {{ int $v.serving.prefill }} --decode {{ int $v.serving.decode }}
 {{- else }} --replicas {{ int $v.serving.replicas }}
-{{- end }} --host 0.0.0.0 --port {{ int $v.router.port }} --address auto --bind-host auto --prefill-resource {{ $v.prefill.rayResource }} --decode-resource {{ $v.decode.rayResource }} --dtype {{ $v.model.dtype }} --kv-dtype {{ $v.model.kvDtype }} --decode-quantization {{ $v.model.decodeQuantization | default "none" }} --block-size {{ int $v.model.blockSize }}
+{{- end }} --host 0.0.0.0 --port {{ int $v.router.port }} --address auto --bind-host auto --prefill-resource {{ $v.prefill.rayResource }} --decode-resource {{ $v.decode.rayResource }} --dtype {{ $v.model.dtype }} --kv-dtype {{ $v.model.kvDtype }} --prefill-quantization {{ $v.model.prefillQuantization | default "auto" }} --decode-quantization {{ $v.model.decodeQuantization | default "auto" }}
+{{- if $v.model.quantized }} --quantized{{ end }} --block-size {{ int $v.model.blockSize }}
 {{- if not (kindIs "invalid" $v.serving.disaggThreshold) }} --disagg-threshold {{ int $v.serving.disaggThreshold }}{{ end }}
 {{- range $v.serving.extraArgs }} {{ . | quote }}{{ end }}
 {{- end }}

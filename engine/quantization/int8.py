@@ -1,4 +1,4 @@
-"""Weight-only int8 quantization for the decode pool: the tensor math, nothing model-specific.
+"""Weight-only int8: the tensor math, nothing model-specific.
 
 A decode step reads every weight once per step for a handful of tokens: it is bound by weight
 bytes. Storing the projection weights as int8 with one fp32 scale per output channel halves
@@ -7,28 +7,14 @@ norms, the embedding table and the output head stay in the model dtype (the head
 because its logits pick the tokens).
 
 Scheme: symmetric, per output channel: scale[n] = max_k |w[n, k]| / 127, q = round(w / scale),
-so every weight is within scale/2 of its original value. FP8 W8A8 for the prefill pool
-(DESIGN) needs `torch._scaled_mm` on a GPU and is not built.
-
-This module is a leaf (torch only), so configuration code can `validate` a setting without
-loading the model code. Applying the scheme to a model is `engine.models.linear`'s job:
-`quantize_linears` swaps each `Linear`'s weight for `quantize_int8`'s pair in place, and
-`Linear` multiplies through the int8 kernels or `dequantize_int8`.
+so every weight is within scale/2 of its original value. Applying the scheme to a model is
+`engine.models.linear`'s job: `Linear.quantize_int8` swaps the weight for `quantize_int8`'s
+pair in place and multiplies through the int8 kernels or `dequantize_int8`.
 """
 
 from __future__ import annotations
 
 import torch
-
-QUANTIZATIONS = ("none", "int8")
-
-
-def validate(method: str | None) -> str:
-    """The canonical name of a quantization setting (None means "none"); ValueError otherwise."""
-    m = "none" if method is None else method
-    if m not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-    return m
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
