@@ -64,7 +64,14 @@ def measure_mode(path: str, dtype: str, quant: str | None, args) -> dict:
     """One engine in `dtype` with `quant`: bytes, prefill tokens/s, decode ms per step."""
     from engine import LLM
 
-    llm = LLM(path, dtype=dtype, quantization=quant, num_kv_blocks=args.kv_blocks)
+    # No prefix caching: every repeat must compute its prompts again.
+    llm = LLM(
+        path,
+        dtype=dtype,
+        quantization=quant,
+        num_kv_blocks=args.kv_blocks,
+        enable_prefix_caching=False,
+    )
     vocab = llm.engine.model_config.vocab_size
     proj, total = projection_bytes(llm.engine.model)
     pre = _prompts(args.prefill_batch, args.prompt_len, vocab, 1)
@@ -90,7 +97,7 @@ def measure_mode(path: str, dtype: str, quant: str | None, args) -> dict:
 
 
 def run(args) -> dict:
-    path = str(cached_model("llama", args.preset, 0, CACHE_DIR))
+    path = args.model_dir or str(cached_model("llama", args.preset, 0, CACHE_DIR))
     plan = [("bf16", "bfloat16", None), ("fp32", "float32", None)]
     plan += [(f"{q} ({args.dtype})", args.dtype, q) for q in QUANT_MODES]
     rows = {}
@@ -136,6 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-blocks", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--model-dir", default=None, help="measure this checkpoint instead")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.prefill_batch, args.prompt_len = "tiny", 2, 64

@@ -1,4 +1,4 @@
-"""The two engine benchmarks run end to end in `--quick` mode (tiny model) and write the
+"""The engine benchmarks run end to end in `--quick` mode (tiny model) and write the
 fields their reports are built from. No timing is asserted: the machine is shared."""
 
 from __future__ import annotations
@@ -82,3 +82,23 @@ def test_quant_accuracy_quick(make_tiny_model, tmp_path):
         assert row["by_group"]["corpus"]["positions"] == 400  # 2 windows of 200 in --quick
     assert modes["bf16"]["kl_ratio"] == pytest.approx(1.0)
     assert all(0.0 <= m["greedy"] <= 1.0 for m in modes.values())
+
+
+@pytest.mark.timeout(300)
+def test_quant_speed_quick(make_tiny_model, tmp_path):
+    stdout, r = _run("quant_speed.py", tmp_path / "qs.json", make_tiny_model("llama"))
+    assert "| fp8 (bfloat16) | fp8 |" in stdout
+    rows = r["rows"]
+    layouts = {name: row["quantization"] for name, row in rows.items()}
+    assert layouts == {
+        "bf16": "none",
+        "fp32": "none",
+        "int8 (bfloat16)": "int8",
+        "fp8 (bfloat16)": "fp8",
+        "fp8-weight-only (bfloat16)": "fp8-weight-only",
+    }
+    for name, row in rows.items():
+        assert row["prefill_tok_s"] > 0 and row["decode_step_ms"] > 0, name
+        # The quantized layouts hold 1-byte weights plus fp32 scales: about half of bf16's.
+        if row["quantization"] != "none":
+            assert row["projection_bytes_vs_bf16"] <= 0.55, name
