@@ -22,7 +22,12 @@ differently. Corpus prompts
 - were decoded from transferred FP8 KV (its byte count: one byte an element plus the per-token
   scales), and give every block back.
 A KV dtype mismatch between the pools is refused at the handshake instead
-(tests/kv_transfer/test_kv_dtype_handshake.py)."""
+(tests/kv_transfer/test_kv_dtype_handshake.py).
+
+FP8 checkpoints as users have them (compressed-tensors FP8_DYNAMIC and block-wise
+`quant_method: fp8`, written by tests/fp8_checkpoints.py from the trained model) serve with
+the defaults: both pools keep the checkpoint's FP8 weights (W8A8 prefill, FP8 weight-only
+decode), with the same exactness, agreement and KV checks."""
 
 from __future__ import annotations
 
@@ -139,6 +144,40 @@ def test_quantized_profile_serves_fp8_prefill_int8_decode_fp8_kv(start_serve, tr
     assert _agreement(want_quant, want_full) >= PROFILE_MIN_AGREEMENT
     full_texts = [tok.decode(ids, skip_special_tokens=True) for ids in want_full]
     assert sum(a == b for a, b in zip(got, full_texts, strict=True)) >= PROFILE_MIN_SAME_TEXTS
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "block-fp8"])
+def test_fp8_checkpoint_serves_disaggregated(start_serve, trained_model, tmp_path, fmt):
+    """An FP8 checkpoint as users have it (llm-compressor's FP8_DYNAMIC, or block-wise
+    `quant_method: fp8`) through `tandem serve` 1P1D with the defaults: both pools keep its
+    FP8 weights (auto: W8A8 prefill; `weight-only` decode: FP8 weight-only), the KV is
+    handed over, and the served tokens are exactly those of the same two engines in one
+    process, which agree with the full-precision model's on >= 95% of positions."""
+    import fp8_checkpoints as fc
+
+    ckpt = tmp_path / fmt
+    if fmt == "compressed-tensors":
+        fc.write_compressed_tensors(trained_model, ckpt, weights="channel", activations="dynamic")
+    else:
+        fc.write_block_fp8(trained_model, ckpt)
+    prompts = _corpus_prompts(trained_model)[:3]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    kw = dict(model=str(ckpt), dtype="float32", num_kv_blocks=128)
+    pe = LLMEngine(EngineConfig(**kw, role="prefill"))
+    de = LLMEngine(EngineConfig(**kw, role="decode", quantization="weight-only"))
+    assert (pe.quantization, de.quantization) == ("fp8", "fp8-weight-only")
+    want = disaggregated_greedy(pe, de, prompts, sp)
+    full = [o.token_ids for o in LLM(str(trained_model), dtype="float32").generate(prompts, sp)]
+    flags = ("--dtype", "float32", "--disagg-threshold", "0")
+    with start_serve(ckpt, *flags, "--decode-quantization", "weight-only") as server:
+        assert _worker_weights(server) == {"prefill-0": "fp8", "decode-0": "fp8-weight-only"}
+        check = TransferCheck(server, ckpt)
+        got = _served_texts(server, prompts, 32)
+        check.verify([len(p) for p in prompts])
+        server.wait_all_blocks_free()
+    tok = _tokenizer(trained_model)
+    assert got == [tok.decode(ids, skip_special_tokens=True) for ids in want]
+    assert _agreement(want, full) >= PROFILE_MIN_AGREEMENT
 
 
 def _worker_weights(server) -> dict[str, str]:
