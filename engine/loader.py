@@ -47,11 +47,14 @@ def build_model(
         model = CausalLM(cfg)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-    else:
-        if cfg.fp8_checkpoint is not None:
-            prepare_fp8_layers(model, cfg.fp8_checkpoint, activations=quantization == "fp8")
+        model.quantize(quantization)
+    elif cfg.fp8_checkpoint is not None:
+        # The checkpoint's layout: its FP8 layers, and the layers it ignores stay full.
+        prepare_fp8_layers(model, cfg.fp8_checkpoint, activations=quantization == "fp8")
         load_safetensors(model, cfg.path)
-    model.quantize(quantization)
+    else:
+        load_safetensors(model, cfg.path)
+        model.quantize(quantization)
     return model.eval().requires_grad_(False)
 
 

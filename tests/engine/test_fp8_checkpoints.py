@@ -367,3 +367,28 @@ def test_compressed_tensors_package_parses_the_config(args):
     scheme = cfg.config_groups["group_0"]
     assert cfg.format == "float-quantized" and scheme.weights.strategy == args[0]
     assert (scheme.input_activations is None) == (args[1] is None)
+
+
+def test_layers_the_checkpoint_ignores_stay_full_precision(broken):
+    """compressed-tensors `ignore` (a "re:" pattern here) keeps a decoder projection in full
+    precision in the file; the engine loads it full and does not quantize it on its own."""
+    path = broken("ct-channel-dynamic")
+    layer = "model.layers.0.mlp.down_proj"
+    tensors = fc.read_tensors(path)
+    full = tensors[f"{layer}.weight"].float() * tensors[f"{layer}.weight_scale"].float()
+
+    def ignore_layer(cfg: dict) -> None:
+        cfg["quantization_config"]["ignore"].append(r"re:.*layers\.0\.mlp\.down_proj$")
+
+    fc.rewrite(
+        path,
+        config=ignore_layer,
+        drop=[f"{layer}.weight_scale"],
+        replace={f"{layer}.weight": full},
+    )
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_kv_blocks=16))
+    assert engine.quantization == "fp8"
+    down = engine.model.model.layers[0].mlp.down_proj
+    assert not down.quantized and torch.equal(down.weight, full)
+    other = engine.model.model.layers[1].mlp.down_proj
+    assert other.scheme == "fp8" and other.qweight.dtype == torch.float8_e4m3fn
