@@ -56,18 +56,13 @@ EVAL_WINDOWS = (0, 300, 600, 900, 1200)  # corpus token offsets of the 200-token
 GREEDY_OFFSETS = (0, 450, 900, 1350)  # corpus token offsets of the 24-token greedy prompts
 
 
-def corpus_ids(tokenizer) -> list[int]:
-    from engine.train_model import corpus_token_ids
-
-    return corpus_token_ids(tokenizer)
-
-
 def eval_prompts(tokenizer, quick: bool = False) -> dict[str, list[list[int]]]:
     """Teacher-forcing inputs: {"corpus": windows the model memorised, "off_corpus": prompts
     it never saw (pseudo-words of two seeds, the corpus's tokens shuffled)}."""
     from engine.tokenizer_corpus import synthetic_words
+    from engine.train_model import corpus_token_ids
 
-    ids = corpus_ids(tokenizer)
+    ids = corpus_token_ids(tokenizer)
     windows = EVAL_WINDOWS[:2] if quick else EVAL_WINDOWS
     corpus = [ids[o : o + 200] for o in windows]
     off = []
@@ -80,14 +75,20 @@ def eval_prompts(tokenizer, quick: bool = False) -> dict[str, list[list[int]]]:
     return {"corpus": corpus, "off_corpus": off[:1] if quick else off}
 
 
-def greedy_prompts(tokenizer, quick: bool = False) -> dict[str, list[list[int]]]:
+def greedy_prompts(
+    tokenizer, off_corpus: list[list[int]], quick: bool = False
+) -> dict[str, list[list[int]]]:
     """Greedy-decoding prompts: {"corpus": 24 tokens at each of `GREEDY_OFFSETS` (the bound's
     prompts), "off_corpus": the first 24 tokens of each off-corpus teacher-forcing prompt
     (reported, not bounded)}."""
-    ids = corpus_ids(tokenizer)
-    off = eval_prompts(tokenizer, quick)["off_corpus"]
+    from engine.train_model import corpus_token_ids
+
+    ids = corpus_token_ids(tokenizer)
     offsets = GREEDY_OFFSETS[:2] if quick else GREEDY_OFFSETS
-    return {"corpus": [ids[o : o + 24] for o in offsets], "off_corpus": [p[:24] for p in off]}
+    return {
+        "corpus": [ids[o : o + 24] for o in offsets],
+        "off_corpus": [p[:24] for p in off_corpus],
+    }
 
 
 def load(path: Path, dtype: str, quantization: str, **kw):
@@ -150,16 +151,12 @@ def summarize_positions(ref: dict[str, list], got: dict[str, list]) -> dict:
     return out
 
 
-def disagg_greedy(path: Path, dtype: str, prompts: dict, max_tokens: int) -> dict | None:
+def disagg_greedy(path: Path, dtype: str, prompts: dict, max_tokens: int) -> dict:
     """Greedy outputs of an fp8 W8A8 prefill engine whose KV is copied into an int8 decode
-    engine (tests/kv_copy.py); None when that module cannot be imported (no tests/)."""
-    try:
-        from tests.kv_copy import disaggregated_greedy
-    except ImportError as e:
-        log(f"  {DISAGG}: skipped ({e})")
-        return None
+    engine (tests/kv_copy.py, the in-process hand-off the e2e tests compare against)."""
     from engine import SamplingParams
     from engine.llm_engine import EngineConfig, LLMEngine
+    from tests.kv_copy import disaggregated_greedy
 
     kw = dict(model=str(path), dtype=dtype, num_kv_blocks=96)
     pe = LLMEngine(EngineConfig(**kw, role="prefill", quantization="fp8"))
@@ -189,7 +186,8 @@ def measure_arch(path: Path, qdtype: str = "float32", quick: bool = False) -> di
     from engine.llm import load_tokenizer
 
     tok = load_tokenizer(str(path))
-    prompts, gprompts = eval_prompts(tok, quick), greedy_prompts(tok, quick)
+    prompts = eval_prompts(tok, quick)
+    gprompts = greedy_prompts(tok, prompts["off_corpus"], quick)
     max_tokens = 32 if quick else 128
     ref_logits = ref_tokens = None
     rows: dict[str, dict] = {}
@@ -206,9 +204,8 @@ def measure_arch(path: Path, qdtype: str = "float32", quick: bool = False) -> di
     for row in rows.values():
         row["kl_ratio"] = row["kl"] / rows["bf16"]["kl"] if rows["bf16"]["kl"] > 0 else math.inf
     dis = disagg_greedy(path, qdtype, gprompts, max_tokens)
-    if dis is not None:
-        rows[DISAGG] = {"dtype": qdtype, "quantization": "fp8 prefill, int8 decode"}
-        rows[DISAGG].update(greedy_metrics(ref_tokens, dis))
+    rows[DISAGG] = {"dtype": qdtype, "quantization": "fp8 prefill, int8 decode"}
+    rows[DISAGG].update(greedy_metrics(ref_tokens, dis))
     return {
         "greedy_tokens": max_tokens,
         "greedy_prompts": {g: len(ps) for g, ps in gprompts.items()},

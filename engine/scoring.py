@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_context import AttentionMetadata, forward_context
+from engine.forward_context import forward_context
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSeq, StepPlan
+from engine.sequence import Sequence
 
 
 @torch.inference_mode()
@@ -21,26 +24,14 @@ def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
     n = len(token_ids)
     if n < 1 or n > engine.max_model_len:
         raise ValueError(f"need 1..{engine.max_model_len} tokens, got {n}")
-    bs = engine.config.block_size
-    blocks = engine.block_manager.allocate_blocks(-(-n // bs))
+    blocks = engine.block_manager.allocate_blocks(engine.block_manager.blocks_needed(n))
     try:
-        dev = engine.device
-        i64 = torch.int64
-        slots = [blocks[p // bs] * bs + p % bs for p in range(n)]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=i64, device=dev),
-            query_start=[0, n],
-            num_computed=[0],
-            context_lens=[n],
-            block_tables=torch.tensor([blocks], dtype=i64, device=dev),
-            decode_idx=torch.zeros(0, dtype=i64, device=dev),
-            prefill_idx=[0],
-            decode_context_lens=torch.zeros(0, dtype=i64, device=dev),
-        )
-        ids = torch.tensor(token_ids, dtype=i64, device=dev)
-        positions = torch.arange(n, dtype=i64, device=dev)
+        # One whole-prompt chunk, laid out by the runner exactly as a serving step would be.
+        seq = Sequence("teacher-forcing", list(token_ids), SamplingParams(max_tokens=1))
+        seq.block_table = blocks
+        input_ids, positions, meta = engine.runner.prepare(StepPlan([ScheduledSeq(seq, n)], []))
         with forward_context(meta):
-            hidden = engine.model(ids, positions, engine.cache, engine.backend)
+            hidden = engine.model(input_ids, positions, engine.cache, engine.backend)
         return engine.model.compute_logits(hidden).float()
     finally:
         engine.block_manager.free(blocks)
