@@ -2,7 +2,8 @@
 an OpenAI-compatible server and returns a `BenchResult`; nothing is printed or written.
 
 Lifecycle of a run:
-1. workload: built up front from the config and its seed (`bench/workload.py`);
+1. workload: built up front from the config and its seed (`bench/workload.py`), once the
+   model is known (a ShareGPT run counts tokens with its tokenizer);
 2. dispatch: each request is started at its arrival offset; --max-concurrency holds it in a
    semaphore until a slot frees (arrivals keep their schedule; the wait is recorded as the
    gap between arrival_s and start_s and drawn on the timeline, while TTFT and E2E are timed
@@ -233,16 +234,19 @@ async def _dispatch(
 async def run_benchmark(config: BenchConfig) -> BenchResult:
     """Run the whole benchmark in the caller's event loop and return its result (nothing is
     printed or written; `bench.report.finish` does that)."""
-    workload = build_workload(config)
-    records = [
-        RequestRecord(r.index, r.arrival_s, r.arrival_s, r.prompt_len, r.output_len)
-        for r in workload.requests
-    ]
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     async with _session(config) as session:
         model = config.model or await resolve_model(session, config.base_url)
+        workload = build_workload(config, tokenizer=model)
+        records = [
+            RequestRecord(r.index, r.arrival_s, r.arrival_s, r.prompt_len, r.output_len)
+            for r in workload.requests
+        ]
         duration = await _dispatch(config, session, model, workload.requests, records)
-    metrics = compute_metrics(records, duration, config.slo_ttft_ms, config.slo_tpot_ms)
+    slos = config.slos
+    metrics = compute_metrics(
+        records, duration, slos.get("ttft"), slos.get("tpot"), slo_e2el_ms=slos.get("e2el")
+    )
     errors = collections.Counter(r.error for r in records if r.error is not None)
     return BenchResult(
         config, metrics, records, model, started_at, workload.trace, dict(errors.most_common())

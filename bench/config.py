@@ -1,8 +1,12 @@
 """`BenchConfig`: every setting of one `tandem bench serve` run, validated on construction.
 
 Each field carries its CLI help (`engine.config_flags.setting`), so `bench/cli.py` generates
-the flags from this class and every default is written here only. `to_dict` is the form the
-result JSON stores (the API key redacted, an infinite rate as the string "inf").
+the flags from this class and every default is written here only (`--goodput`, which takes
+several words, is added by bench/cli.py beside them). `to_dict` is the form the result JSON
+stores (the API key redacted, an infinite rate as the string "inf").
+
+Datasets: `random`, `trace:PATH` (a request-length CSV, bench/traces.py) or `sharegpt:PATH`
+(a ShareGPT JSON, bench/sharegpt.py).
 """
 
 from __future__ import annotations
@@ -11,11 +15,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from bench.vllm_compat import (
+    check_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+)
 from engine.config_flags import parse_float_or_inf, setting
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 DEFAULT_RANDOM_PROMPTS = 100
+DATASET_PREFIXES = ("trace:", "sharegpt:")
 
 
 def json_float(x: float) -> float | str:
@@ -32,10 +42,12 @@ class BenchConfig:
     model: str | None = setting(
         None, "model name (unset: the first of GET /v1/models, or none if it lists none)"
     )
-    dataset: str = setting("random", "'random' or 'trace:PATH' (CSV)")
+    dataset: str = setting(
+        "random", "'random', 'trace:PATH' (CSV) or 'sharegpt:PATH' (ShareGPT JSON)"
+    )
     num_prompts: int | None = setting(
         None,
-        f"requests to send (random: {DEFAULT_RANDOM_PROMPTS} if unset; "
+        f"requests to send (random, sharegpt: {DEFAULT_RANDOM_PROMPTS} if unset; "
         "trace: the first N rows, all if unset)",
     )
     input_len: int = setting(1024, "mean prompt length in tokens")
@@ -54,6 +66,17 @@ class BenchConfig:
     seed: int = setting(0, "seed of lengths, arrivals and prompts")
     slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput, in ms")
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput, in ms")
+    goodput: dict[str, float] | None = setting(
+        None, "SLOs in ms by metric (ttft, tpot, e2el): `--goodput ttft:500 tpot:50`", cli=False
+    )
+    percentile_metrics: str = setting(
+        "ttft,tpot,itl",
+        "comma-separated metrics (ttft, tpot, itl, e2el) whose mean/median/std/percentiles "
+        "the result JSON carries under vLLM's keys (mean_ttft_ms, p99_ttft_ms, ...)",
+    )
+    metric_percentiles: str = setting(
+        "99", "comma-separated percentiles of those metrics, e.g. 25,50,99.9"
+    )
     vocab_low: int = setting(10, "prompt token ids are drawn from [low, high)")
     vocab_high: int = setting(1000, "prompt token ids are drawn from [low, high)")
     temperature: float = setting(0.0, "sampling temperature sent with every request")
@@ -70,6 +93,14 @@ class BenchConfig:
     )
     trace_max_input: int | None = setting(None, "cap on a scaled trace prompt length")
     trace_max_output: int | None = setting(None, "cap on a scaled trace output length")
+    tokenizer: str | None = setting(
+        None,
+        "Hugging Face tokenizer (directory or hub id) counting ShareGPT tokens "
+        "(unset: --model, else the model the server lists)",
+    )
+    sharegpt_output_len: int | None = setting(
+        None, "max_tokens of every ShareGPT request (unset: the token count of its reply)"
+    )
     result_json: str | None = setting(None, "write the result JSON here")
     plot_dir: str | None = setting(None, "write PNG plots into this directory")
     progress: bool = setting(True, "show a progress bar on stderr")
@@ -77,10 +108,12 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.endpoint not in (COMPLETIONS, CHAT):
             raise ValueError(f"endpoint must be {COMPLETIONS} or {CHAT}, got {self.endpoint!r}")
-        if self.dataset != "random" and not (
-            self.dataset.startswith("trace:") and len(self.dataset) > len("trace:")
+        if self.dataset != "random" and not any(
+            self.dataset.startswith(p) and len(self.dataset) > len(p) for p in DATASET_PREFIXES
         ):
-            raise ValueError(f"dataset must be 'random' or 'trace:PATH', got {self.dataset!r}")
+            raise ValueError(
+                f"dataset must be 'random', 'trace:PATH' or 'sharegpt:PATH', got {self.dataset!r}"
+            )
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.input_len < 1 or self.output_len < 1:
@@ -110,14 +143,51 @@ class BenchConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not (self.trace_length_scale > 0 and self.trace_time_scale >= 0):
             raise ValueError("trace_length_scale must be > 0 and trace_time_scale >= 0")
-        for name in ("trace_max_input", "trace_max_output"):
+        for name in ("trace_max_input", "trace_max_output", "sharegpt_output_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        self._check_vllm_keys()
+
+    def _check_vllm_keys(self) -> None:
+        parse_percentile_metrics(self.percentile_metrics)
+        parse_metric_percentiles(self.metric_percentiles)
+        if self.goodput is not None:
+            check_goodput(self.goodput)
+            for name, flag in (("ttft", self.slo_ttft_ms), ("tpot", self.slo_tpot_ms)):
+                if flag is not None and name in self.goodput and self.goodput[name] != flag:
+                    raise ValueError(
+                        f"--goodput {name}:{self.goodput[name]:g} contradicts "
+                        f"--slo-{name}-ms {flag:g}"
+                    )
+
+    @property
+    def slos(self) -> dict[str, float]:
+        """Every goodput SLO in ms by metric (ttft, tpot, e2el): --slo-*-ms and --goodput."""
+        out = {"ttft": self.slo_ttft_ms, "tpot": self.slo_tpot_ms} | dict(self.goodput or {})
+        return {k: v for k, v in out.items() if v is not None}
+
+    @property
+    def percentile_metric_names(self) -> tuple[str, ...]:
+        return parse_percentile_metrics(self.percentile_metrics)
+
+    @property
+    def metric_percentile_values(self) -> tuple[float, ...]:
+        return parse_metric_percentiles(self.metric_percentiles)
+
+    @property
+    def dataset_kind(self) -> str:
+        """random, trace or sharegpt."""
+        return self.dataset.partition(":")[0]
 
     @property
     def trace_path(self) -> str | None:
         return self.dataset[len("trace:") :] if self.dataset.startswith("trace:") else None
+
+    @property
+    def sharegpt_path(self) -> str | None:
+        prefix = "sharegpt:"
+        return self.dataset[len(prefix) :] if self.dataset.startswith(prefix) else None
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

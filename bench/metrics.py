@@ -14,7 +14,8 @@ Definitions (the same as vLLM's benchmark_serving):
   after the first (`spread_tokens`).
 - Percentiles: numpy's linear interpolation. Latencies are reported in milliseconds.
 - Goodput: completed requests meeting every given SLO (TTFT <= slo_ttft_ms, TPOT <=
-  slo_tpot_ms) per second of benchmark duration; with no SLO it is the request throughput.
+  slo_tpot_ms, E2E <= slo_e2el_ms) per second of benchmark duration; with no SLO it is the
+  request throughput. (bench/vllm_compat.py gives vLLM's result keys from the same records.)
 - Failed requests are counted, never enter a latency statistic or a throughput.
 """
 
@@ -224,10 +225,17 @@ def summarize(values_s: Sequence[float]) -> LatencyStats:
     return LatencyStats(float(ms.mean()), p50, p90, p99, int(ms.size))
 
 
-def meets_slo(record: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+def meets_slo(
+    record: RequestRecord,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    slo_e2el_ms: float | None = None,
+) -> bool:
     if not record.ok:
         return False
     if slo_ttft_ms is not None and record.ttft_s * 1000.0 > slo_ttft_ms:
+        return False
+    if slo_e2el_ms is not None and record.e2e_s * 1000.0 > slo_e2el_ms:
         return False
     tpot = record.tpot_s
     # A single-token output has no TPOT and so cannot break a TPOT SLO.
@@ -239,12 +247,14 @@ def compute_metrics(
     duration_s: float,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
+    *,
+    slo_e2el_ms: float | None = None,
 ) -> BenchMetrics:
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.ok]
     failed = len(records) - len(done)
-    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms) for r in done)
+    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms) for r in done)
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_len for r in done)
     tpots = [t for t in (r.tpot_s for r in done) if t is not None]

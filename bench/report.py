@@ -2,9 +2,11 @@
 the printed table (`format_report`) and `finish`, which prints it and writes the JSON and the
 plots the config names.
 
-The JSON puts the headline metrics at the top level, then the arrival process, the config
-(API key redacted) and every request's record. JSON floats that are infinite (an
-all-at-once request rate) are written as the string "inf".
+The JSON puts the headline metrics at the top level, then vLLM's `vllm bench serve` keys
+(bench/vllm_compat.py: duration, request_goodput, output_throughput, mean_ttft_ms,
+p99_ttft_ms, ...), then the arrival process, the config (API key redacted) and every request's
+record. JSON floats that are infinite (an all-at-once request rate) are written as the string
+"inf".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from bench.config import BenchConfig, json_float
 from bench.metrics import BenchMetrics, RequestRecord
 from bench.traces import TraceSummary
+from bench.vllm_compat import vllm_keys
 
 
 @dataclass(slots=True)
@@ -41,13 +44,24 @@ class BenchResult:
         """The JSON document: headline metrics at the top level, then config and requests."""
         out: dict = self.metrics.to_dict()
         cfg = self.config
+        # Where both name a number (completed, total_*_tokens, request_throughput) they agree.
+        out.update(
+            vllm_keys(
+                self.records,
+                self.metrics.duration_s,
+                metrics=cfg.percentile_metric_names,
+                percentiles=cfg.metric_percentile_values,
+                goodput=cfg.slos or None,
+            )
+        )
+        slo = {f"{k}_ms": v for k, v in cfg.slos.items()}
         out.update(
             {
                 "request_rate": json_float(self.trace.rate_rps if self.trace else cfg.request_rate),
                 "arrivals": self.arrivals(),
                 "burstiness": None if self.trace else cfg.burstiness,
                 "max_concurrency": cfg.max_concurrency,
-                "slo": {"ttft_ms": cfg.slo_ttft_ms, "tpot_ms": cfg.slo_tpot_ms},
+                "slo": {"ttft_ms": None, "tpot_ms": None} | slo,
                 "model": self.model,
                 "endpoint": cfg.endpoint,
                 "dataset": cfg.dataset,
@@ -65,6 +79,13 @@ class BenchResult:
                 "max_input": cfg.trace_max_input,
                 "max_output": cfg.trace_max_output,
                 **self.trace.to_dict(),
+            }
+        if cfg.sharegpt_path:
+            out["sharegpt"] = {
+                "path": cfg.sharegpt_path,
+                "tokenizer": cfg.tokenizer or cfg.model or self.model,
+                "output_len": cfg.sharegpt_output_len,
+                "num_requests": len(self.records),
             }
         return out
 
@@ -91,6 +112,18 @@ def _row(name: str, value: object) -> str:
 
 def _workload_rows(result: BenchResult) -> list[str]:
     cfg, trace = result.config, result.trace
+    if cfg.sharegpt_path:
+        n = max(1, len(result.records))
+        return [
+            f"  sharegpt file: {cfg.sharegpt_path}",
+            _row("Request rate (req/s):", f"{cfg.request_rate:g}"),
+            _row("Burstiness:", f"{cfg.burstiness:g}"),
+            _row(
+                "  mean prompt / output len:",
+                f"{sum(r.prompt_len for r in result.records) / n:.1f} / "
+                f"{sum(r.target_output_len for r in result.records) / n:.1f}",
+            ),
+        ]
     if trace is None:
         return [
             _row("Request rate (req/s):", f"{cfg.request_rate:g}"),
@@ -118,11 +151,7 @@ def _throughput_rows(result: BenchResult) -> list[str]:
     lines = [_row("Successful requests:", m.completed), _row("Failed requests:", m.failed)]
     for error, count in list(result.errors.items())[:5]:
         lines.append(f"  {count} x {error[: WIDTH - 8]}")
-    slos = [
-        f"TTFT<={cfg.slo_ttft_ms:g}ms" if cfg.slo_ttft_ms else "",
-        f"TPOT<={cfg.slo_tpot_ms:g}ms" if cfg.slo_tpot_ms else "",
-    ]
-    slo_text = " ".join(s for s in slos if s) or "(no SLO)"
+    slo_text = " ".join(f"{k.upper()}<={v:g}ms" for k, v in cfg.slos.items()) or "(no SLO)"
     return lines + [
         _row("Benchmark duration (s):", _fmt(m.duration_s)),
         _row("Total input tokens:", m.total_input_tokens),
@@ -154,7 +183,7 @@ def format_report(result: BenchResult) -> str:
     lines = ["=" * WIDTH, " tandem bench serve ".center(WIDTH, "="), "=" * WIDTH]
     lines.append(_row("Endpoint:", cfg.endpoint))
     lines.append(_row("Model:", result.model or "(none sent)"))
-    lines.append(_row("Dataset:", "trace" if result.trace else "random"))
+    lines.append(_row("Dataset:", cfg.dataset_kind))
     lines += _workload_rows(result)
     lines.append(_row("Max concurrency:", cfg.max_concurrency or "unbounded"))
     lines += _throughput_rows(result)
@@ -176,8 +205,8 @@ def finish(result: BenchResult) -> list[Path]:
         written += plot_results(
             result.records,
             cfg.plot_dir,
-            slo_ttft_ms=cfg.slo_ttft_ms,
-            slo_tpot_ms=cfg.slo_tpot_ms,
+            slo_ttft_ms=cfg.slos.get("ttft"),
+            slo_tpot_ms=cfg.slos.get("tpot"),
             label=cfg.dataset,
         )
     for path in written:

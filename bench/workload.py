@@ -4,16 +4,20 @@ Random: lengths U[L(1-r), L(1+r)] and arrival offsets from a Poisson / gamma pro
 request rate. Trace: the scaled CSV rows (`bench/traces.py`) give both. Prompts are token ids
 for /v1/completions, so the prompt length is exact, and random words for
 /v1/chat/completions, so lengths are approximate (the usage chunk reports the exact count).
+ShareGPT: the conversations' text is the prompt on either endpoint, lengths counted by the
+tokenizer (`bench/sharegpt.py`), arrivals from the request rate as for random.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from bench.config import COMPLETIONS, DEFAULT_RANDOM_PROMPTS, BenchConfig
+from bench.sharegpt import hf_token_counter, load_sharegpt
 from bench.traces import TraceSummary, load_trace, scale_trace, summarize_trace
 
 # Short common words: most tokenizers give about one token each, so a chat prompt of N words is
@@ -78,8 +82,49 @@ def random_words(rng: np.random.Generator, n: int) -> str:
     return " ".join(_WORDS[i] for i in rng.integers(0, len(_WORDS), size=n))
 
 
-def build_workload(config: BenchConfig) -> Workload:
-    """Every request's arrival, lengths and prompt, from the config and its seed alone."""
+def sharegpt_workload(
+    config: BenchConfig,
+    count_tokens: Callable[[str], int] | None = None,
+    tokenizer: str | None = None,
+) -> Workload:
+    """The ShareGPT requests of `config.sharegpt_path`, arriving at the configured rate.
+    Tokens are counted by `count_tokens`, else by the Hugging Face tokenizer named by
+    --tokenizer, --model or `tokenizer` (the model the server lists), in that order."""
+    assert config.sharegpt_path is not None
+    if count_tokens is None:
+        name = config.tokenizer or config.model or tokenizer
+        if name is None:
+            raise ValueError(
+                "dataset sharegpt counts tokens with the model's tokenizer: give --tokenizer "
+                "(or --model, or a server whose /v1/models lists it)"
+            )
+        count_tokens = hf_token_counter(name)
+    rows = load_sharegpt(
+        config.sharegpt_path,
+        count_tokens,
+        num_requests=config.num_prompts or DEFAULT_RANDOM_PROMPTS,
+        seed=config.seed,
+        fixed_output_len=config.sharegpt_output_len,
+    )
+    rng = np.random.default_rng(config.seed)
+    arrivals = arrival_offsets(rng, len(rows), config.request_rate, config.burstiness)
+    requests = [
+        WorkloadRequest(i, float(a), r.prompt_len, r.output_len, r.prompt)
+        for i, (a, r) in enumerate(zip(arrivals, rows, strict=True))
+    ]
+    return Workload(requests)
+
+
+def build_workload(
+    config: BenchConfig,
+    *,
+    count_tokens: Callable[[str], int] | None = None,
+    tokenizer: str | None = None,
+) -> Workload:
+    """Every request's arrival, lengths and prompt, from the config and its seed alone (for
+    ShareGPT also the tokenizer: `sharegpt_workload`)."""
+    if config.sharegpt_path is not None:
+        return sharegpt_workload(config, count_tokens, tokenizer)
     rng = np.random.default_rng(config.seed)
     trace_summary = None
     if config.trace_path is not None:

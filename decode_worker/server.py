@@ -88,13 +88,17 @@ class DecodeServer(EngineServer):
             self.num_aborts += 1
             return
         try:
-            self.engine.add_remote_request(rid, msg.prompt_token_ids, msg.first_token, msg.sampling)
+            choices = [tuple(c) for c in msg.choices] if msg.choices else None
+            self.engine.add_remote_request(
+                rid, msg.prompt_token_ids, msg.first_token, msg.sampling, choices
+            )
         except ValueError as e:
             self._release_on_sender(msg)
             self.send_error(msg.reply_to, rid, str(e))
             return
         self.remote[rid] = msg
         self.reply_to[rid] = msg.reply_to
+        self.open_choices[rid] = len(msg.choices) if msg.choices else 1
 
     def add_generate(self, msg) -> None:
         self.num_local += 1
@@ -146,9 +150,7 @@ class DecodeServer(EngineServer):
             self.engine.abort(rid)
             return
         self.num_remote += 1
-        done = self.engine.commit_remote(rid)
-        if done is not None:
-            self.publish([done])
+        self.publish(self.engine.commit_remote(rid))
 
     def _read_failed(self, rid: str, reason: str) -> None:
         self.reading.discard(rid)

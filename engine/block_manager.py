@@ -97,14 +97,15 @@ class BlockManager:
             del self._free[bid]
         block.ref_count += 1
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
-        """Blocks for `token_ids`: cached prefix blocks first, fresh ones after.
+    def allocate(self, token_ids: list[int], use_cache: bool = True) -> tuple[list[int], int]:
+        """Blocks for `token_ids`: cached prefix blocks first, fresh ones after. `use_cache`
+        False takes no cached block (a request that needs every prompt position computed).
 
         Returns (block_table, num_cached_tokens). Raises MemoryError if they do not fit.
         """
-        if not self.can_allocate(len(token_ids), token_ids):
+        if not self.can_allocate(len(token_ids), token_ids if use_cache else None):
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
-        hits = self._lookup(token_ids)
+        hits = self._lookup(token_ids) if use_cache else []
         for bid in hits:
             self._take(bid)
         table = hits + [
@@ -120,6 +121,24 @@ class BlockManager:
         if n > self.num_free_blocks:
             raise MemoryError(f"need {n} free KV blocks, have {self.num_free_blocks}")
         return [self._take_free() for _ in range(n)]
+
+    def fork(self, block_table: list[int], num_tokens: int) -> tuple[list[int], int | None]:
+        """A second owner for the first `num_tokens` tokens of `block_table`: full blocks are
+        shared (reference counts); a partly filled last block cannot be (both owners will
+        write their own next token into it), so a fresh block is taken for it. Returns (the
+        new table, the block to copy the partial one into, or None). MemoryError when no
+        block is free for the copy."""
+        full = num_tokens // self.block_size
+        shared = block_table[:full]
+        partial = full < self.blocks_needed(num_tokens)
+        if partial and not self._free:
+            raise MemoryError("no free KV block to copy a forked sequence's last block into")
+        for bid in shared:
+            self._take(bid)
+        if not partial:
+            return list(shared), None
+        copy = self._take_free()
+        return [*shared, copy], copy
 
     def can_append(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) - len(block_table) <= self.num_free_blocks

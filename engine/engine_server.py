@@ -71,6 +71,7 @@ class EngineServer:
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.replies = ReplySockets(self.ctx)
         self.reply_to: dict[str, str] = {}  # request id -> router endpoint
+        self.open_choices: dict[str, int] = {}  # request id -> its choices not yet finished
         self.num_bad_frames = 0
         self.num_aborts = 0  # requests this worker dropped on an AbortRequest
         self._stalled = False  # the last step had nothing it could run
@@ -172,6 +173,7 @@ class EngineServer:
             self.send_error(msg.reply_to, msg.request_id, str(e))
             return
         self.reply_to[msg.request_id] = msg.reply_to
+        self.open_choices[msg.request_id] = msg.sampling.n
 
     def abort(self, request_id: str) -> None:
         """Drop a request; unknown ids are ignored (the router aborts both workers, and a
@@ -179,6 +181,7 @@ class EngineServer:
         if self.engine.abort(request_id):
             self.num_aborts += 1
         self.reply_to.pop(request_id, None)
+        self.open_choices.pop(request_id, None)
 
     # -- output ------------------------------------------------------------------------------
     def publish(self, outputs: list[TokenOutput]) -> None:
@@ -188,7 +191,10 @@ class EngineServer:
                 continue
             self.replies.send(reply_to, self.token_message(out))
             if out.finish_reason is not None:
-                self.finished(out.request_id)
+                left = self.open_choices.get(out.request_id, 1) - 1
+                self.open_choices[out.request_id] = left
+                if left <= 0:
+                    self.finished(out.request_id)
 
     def token_message(self, out: TokenOutput) -> TokenMessage:
         seq = self.engine.seqs.get(out.request_id)
@@ -200,10 +206,14 @@ class EngineServer:
             worker_id=self.worker_id,
             prefill_worker_id=self.worker_id if out.index == 0 else "",
             num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
+            choice=out.choice,
+            logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
 
     def finished(self, request_id: str) -> None:
         self.reply_to.pop(request_id, None)
+        self.open_choices.pop(request_id, None)
         self.engine.pop_finished(request_id)
 
     def send_error(self, reply_to: str, request_id: str, message: str) -> None:
@@ -251,6 +261,7 @@ class EngineServer:
                 "aborts": self.num_aborts,
                 "preemptions": s["num_preemptions"],
                 "prefix_hit_tokens": s["prefix_hit_tokens"],
+                "prefix_query_tokens": s["prefix_query_tokens"],
                 "time": time.time(),
             },
         )

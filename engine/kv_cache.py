@@ -103,6 +103,12 @@ class KVCache:
     def bytes_per_block(spec: KVCacheSpec) -> int:
         return spec.block_bytes + spec.scale_block_bytes
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` becomes a copy of block `src` (every layer, K and V, and FP8 scales)."""
+        self.data[dst].copy_(self.data[src])
+        if self.scales is not None:
+            self.scales[dst].copy_(self.scales[src])
+
     def layer_views(self, layer: int):
         """(k, v, k_scale, v_scale) for one layer; k/v are [num_blocks, block_size, heads, dim]."""
         return self._views[layer]

@@ -32,6 +32,8 @@ class Handoff:
     block_ids: list[int]
     first_token: int
     num_tokens: int
+    # (choice, first token) of every choice still running (n > 1); the first is first_token's.
+    choices: list[tuple[int, int]] | None = None
 
 
 class KVConnector(Protocol):

@@ -112,6 +112,11 @@ class LLM:
     def _result(self, rid: str) -> RequestOutput:
         seq = self.engine.pop_finished(rid)
         assert seq is not None, f"{rid} did not finish"
+        out = self._output(rid, seq)
+        out.choices = [self._output(rid, c) for c in seq.choices]
+        return out
+
+    def _output(self, rid: str, seq) -> RequestOutput:
         out = seq.output_token_ids
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         tpot = None
@@ -120,6 +125,7 @@ class LLM:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(out, skip_special_tokens=True)
+        asked = seq.sampling.prompt_logprobs is not None
         return RequestOutput(
             request_id=rid,
             prompt_token_ids=list(seq.prompt_token_ids),
@@ -130,4 +136,7 @@ class LLM:
             tpot=tpot,
             num_cached_tokens=seq.num_cached_tokens,
             metrics={"preemptions": seq.num_preemptions},
+            logprobs=list(seq.output_logprobs) if seq.sampling.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs or []) if asked else None,
+            cumulative_logprob=seq.cumulative_logprob,
         )

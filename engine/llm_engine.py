@@ -33,7 +33,7 @@ from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence
+from engine.sequence import SeqStatus, Sequence, choice_key
 
 log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")
@@ -135,8 +135,13 @@ class LLMEngine:
         self.backend = select_backend(
             config.attention_backend, self.device, mc.head_dim**-0.5, mc.sliding_window
         )
-        self.runner = ModelRunner(self.model, self.cache, self.backend, self.device, config.seed)
+        self.runner = ModelRunner(
+            self.model, self.cache, self.backend, self.device, config.seed, mc.eos_token_ids
+        )
         self.seqs: dict[str, Sequence] = {}
+        # Request id -> the keys of its choices 1..n-1 once forked (n > 1).
+        self.groups: dict[str, list[str]] = {}
+        self._grammars = None  # engine.structured.GrammarCompiler, on first use
         self.num_steps = 0
         self.kv_connector: KVConnector | None = None
 
@@ -180,20 +185,60 @@ class LLMEngine:
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
         self.validate_prompt(prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling)
+        seq = self._new_group(request_id, prompt_token_ids, sampling, range(sampling.n))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def _new_group(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, choices
+    ) -> Sequence:
+        """The sequence of a request's first listed choice, with the others as its pending
+        forks (each with its own generator and grammar state)."""
+        first, *rest = choices
+        key = request_id
+        seq = Sequence(key, list(prompt), sampling, group_id=request_id, choice=first)
+        seq.forks = [
+            Sequence(
+                choice_key(request_id, c), list(prompt), sampling, group_id=request_id, choice=c
+            )
+            for c in rest
+        ]
+        if sampling.structured is not None:
+            from engine.structured import GrammarMatcher
+
+            compiled = self.grammars.compile(*sampling.structured)  # StructuredError: 400
+            for s in (seq, *seq.forks):
+                s.grammar = GrammarMatcher(compiled)
+        return seq
+
+    @property
+    def grammars(self):
+        """The structured-output compiler, built on first use (it needs the tokenizer)."""
+        if self._grammars is None:
+            from engine.llm import load_tokenizer
+            from engine.structured import GrammarCompiler
+
+            tokenizer = load_tokenizer(self.config.model)
+            if tokenizer is None:
+                raise ValueError("structured outputs need the model directory's tokenizer")
+            mc = self.model_config
+            self._grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
+        return self._grammars
+
     def abort(self, request_id: str) -> bool:
-        """Drop a request wherever it is and free its blocks. False if unknown."""
-        seq = self.seqs.pop(request_id, None)
-        if seq is None:
-            return False
-        self.scheduler.remove(seq)
-        if seq.block_table:
-            self.block_manager.free(seq.block_table)
-        seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
-        return True
+        """Drop a request (every choice of it) wherever it is and free its blocks. False if
+        unknown."""
+        found = False
+        for key in [request_id, *self.groups.pop(request_id, ())]:
+            seq = self.seqs.pop(key, None)
+            if seq is None:
+                continue
+            found = True
+            self.scheduler.remove(seq)
+            if seq.block_table:
+                self.block_manager.free(seq.block_table)
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, "abort"
+        return found
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -205,6 +250,7 @@ class LLMEngine:
 
     def release(self, request_id: str) -> None:
         """Free a prefilled request's blocks once its hand-off is over (or abandoned)."""
+        self.groups.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is not None and seq.block_table:
             self.block_manager.free(seq.block_table)
@@ -215,40 +261,71 @@ class LLMEngine:
         prompt_token_ids: list[int],
         first_token: int,
         sampling: SamplingParams,
+        choices: list[tuple[int, int]] | None = None,
     ) -> None:
         """Queue a request whose prompt KV (and first token) come from a prefill peer. The
         scheduler admits it like a local one; then the connector's `on_remote_admitted`
-        gets its blocks to fill."""
+        gets its blocks to fill. `choices`: the (choice, first token) pairs still to decode
+        when n > 1 (default: choice 0 with `first_token`); they fork from one copy of the KV."""
         if self.kv_connector is None:
             raise RuntimeError("add_remote_request needs a KV connector (decode role)")
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids)
-        seq = Sequence(request_id, list(prompt_token_ids), sampling, kv_from_peer=True)
-        seq.token_ids.append(first_token)
-        seq.first_token_time = time.perf_counter()
+        choices = choices or [(0, first_token)]
+        seq = self._new_group(request_id, prompt_token_ids, sampling, [c for c, _ in choices])
+        seq.kv_from_peer = True
+        now = time.perf_counter()
+        for s, (_, token) in zip((seq, *seq.forks), choices, strict=True):
+            # The prompt was scored on the prefill worker: never score it again here.
+            s.prompt_logprobs = [None] * len(prompt_token_ids)
+            s.token_ids.append(token)
+            self._skip_first_draw(s)
+            s.first_token_time = now
+            if s.grammar is not None and not s.grammar.accept(token):
+                raise ValueError(f"first token {token} does not fit the request's grammar")
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    def commit_remote(self, request_id: str) -> TokenOutput | None:
-        """The peer's KV has landed: join the batch. Returns a final output if the first token
-        already finished the request."""
+    def _skip_first_draw(self, seq: Sequence) -> None:
+        """A seeded sampled request's generator made one draw on the prefill worker (its first
+        token): make the same draw here, so the rest of its tokens are the ones a colocated
+        run of the same seed gives (the sampler draws one multinomial over the vocabulary per
+        token)."""
+        if seq.generator is not None and not seq.sampling.greedy:
+            torch.multinomial(torch.ones(self.model_config.vocab_size), 1, generator=seq.generator)
+
+    def commit_remote(self, request_id: str) -> list[TokenOutput]:
+        """The peer's KV has landed: join the batch (every choice, forked from one copy of the
+        KV). Returns the final outputs of choices the first token already finished."""
         seq = self._remote_seq(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
         seq.num_committed_blocks = self.block_manager.commit(
             seq.block_table, seq.token_ids, seq.num_computed_tokens
         )
-        reason = self._finish_reason(seq, seq.token_ids[-1])
-        if reason is not None:
-            self._finish(seq, reason)
-            return TokenOutput(request_id, 0, [], reason)
         self.scheduler.add_running(seq)
-        return None
+        group = [seq, *seq.forks]
+        self._fork(seq)
+        done = []
+        for s in group:
+            reason = self._finish_reason(s, s.token_ids[-1])
+            if reason is not None:
+                self._finish(s, reason)
+                done.append(TokenOutput(request_id, s.num_output_tokens, [], reason, s.choice))
+        return done
 
     def recompute_remote(self, request_id: str) -> None:
         """The peer's KV will not arrive (the transfer is over): prefill the prompt here and
-        continue after the first token the peer already sent."""
-        self.scheduler.recompute(self._remote_seq(request_id))
+        continue after the first token the peer already sent. Other choices queue on their own
+        (after their own first tokens; the prefix cache shares what the first one computes)."""
+        seq = self._remote_seq(request_id)
+        forks, seq.forks = seq.forks, []
+        if forks:
+            self.groups[request_id] = [f.request_id for f in forks]
+        for child in forks:
+            self.seqs[child.request_id] = child
+            self.scheduler.add(child)
+        self.scheduler.recompute(seq)
 
     def _remote_seq(self, request_id: str) -> Sequence:
         seq = self.seqs[request_id]
@@ -265,11 +342,14 @@ class LLMEngine:
                 log.exception("%s: starting the KV fetch failed", seq.request_id)
                 self.abort(seq.request_id)
 
-    def _hand_off(self, seq: Sequence, first_token: int) -> None:
-        """Prefill role: the prompt is done and the request goes on elsewhere."""
+    def _hand_off(self, seq: Sequence, choices: list[tuple[int, int]]) -> None:
+        """Prefill role: the prompt is done and the request goes on elsewhere; `choices` are
+        the (choice, first token) pairs still running (the first is `seq`'s own when n == 1)."""
         self.scheduler.remove(seq)
         seq.status = SeqStatus.PREFILLED
-        handoff = Handoff(seq.request_id, list(seq.block_table), first_token, seq.num_prompt_tokens)
+        handoff = Handoff(
+            seq.request_id, list(seq.block_table), choices[0][1], seq.num_prompt_tokens, choices
+        )
         accepted = False
         if self.kv_connector is not None:
             try:
@@ -279,6 +359,31 @@ class LLMEngine:
         if not accepted:
             self.release(seq.request_id)
 
+    def _fork(self, parent: Sequence) -> None:
+        """Give each pending fork of `parent` (now past its prompt) the prompt's KV: shared
+        full blocks, a copied last block; with no block free for the copy, a fork queues to
+        be recomputed (its full blocks are then prefix-cache hits)."""
+        forks, parent.forks = parent.forks, []
+        if not forks:
+            return
+        self.groups[parent.group_id] = [f.request_id for f in forks]
+        for child in forks:
+            self.seqs[child.request_id] = child
+            try:
+                table, copy = self.block_manager.fork(
+                    parent.block_table, parent.num_computed_tokens
+                )
+            except MemoryError:
+                self.scheduler.add(child)
+                continue
+            if copy is not None:
+                self.cache.copy_block(parent.block_table[len(table) - 1], copy)
+            child.block_table = table
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_committed_blocks = parent.num_committed_blocks
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.scheduler.add_running(child)
+
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         plan = self.scheduler.schedule()
@@ -286,35 +391,70 @@ class LLMEngine:
             self._start_fetches(plan.fetch)
         if not plan.scheduled:
             return []
-        tokens = self.runner.execute(plan)
+        samplers, tokens, entries = self.runner.execute(plan)
         self.num_steps += 1
-        now = time.perf_counter()
-        outputs: list[TokenOutput] = []
-        handoffs: list[tuple[Sequence, int]] = []
-        sampled = iter(tokens)
         for s in plan.scheduled:
             seq = s.seq
-            samples = s.samples
             seq.num_computed_tokens += s.num_new_tokens
             seq.num_committed_blocks = self.block_manager.commit(
                 seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.num_committed_blocks
             )
-            if not samples:
-                continue
-            token = next(sampled)
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._finish_reason(seq, token)
-            index = seq.num_output_tokens - 1
-            if reason is not None:
-                self._finish(seq, reason)
-            elif self.config.role == PREFILL:
-                handoffs.append((seq, token))
-            outputs.append(TokenOutput(seq.request_id, index, [token], reason))
-        for seq, token in handoffs:
-            self._hand_off(seq, token)
+        now = time.perf_counter()
+        outputs: list[TokenOutput] = []
+        prefill = self.config.role == PREFILL
+        i = 0
+        while i < len(samplers):
+            parent = samplers[i]
+            group = samplers[i : i + 1 + len(parent.forks)]
+            picks = list(zip(group, tokens[i:], entries[i:], strict=False))
+            i += len(group)
+            if not prefill:
+                self._fork(parent)
+            running, parent_reason = [], None
+            for seq, token, entry in picks:
+                out = self._record(seq, token, entry, now)
+                outputs.append(out)
+                if out.finish_reason is None:
+                    running.append((seq.choice, token))
+                elif prefill and seq is parent:
+                    parent_reason = out.finish_reason  # its blocks may still go to a peer
+                else:
+                    self._finish(seq, out.finish_reason)
+            if prefill:
+                self._end_prefill(parent, running, parent_reason)
         return outputs
+
+    def _record(self, seq: Sequence, token: int, entry: tuple | None, now: float) -> TokenOutput:
+        """Append a sampled token to `seq` and say what the step produced for it."""
+        seq.token_ids.append(token)
+        logprobs = None
+        if entry is not None:
+            seq.output_logprobs.append(entry)
+            seq.cumulative_logprob += entry[0]
+            logprobs = [entry]
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        index = seq.num_output_tokens - 1
+        prompt_logprobs = None
+        if index == 0 and seq.choice == 0 and seq.sampling.prompt_logprobs is not None:
+            prompt_logprobs = seq.prompt_logprobs
+        reason = self._finish_reason(seq, token)
+        return TokenOutput(
+            seq.group_id, index, [token], reason, seq.choice, logprobs, prompt_logprobs
+        )
+
+    def _end_prefill(
+        self, parent: Sequence, running: list[tuple[int, int]], parent_reason: str | None
+    ) -> None:
+        """Prefill role, after a request's first tokens: hand the KV on for the choices still
+        running, or free it when none is (then `parent_reason` is its own finish)."""
+        parent.forks = []  # the choices live on the decode worker, not here
+        if running:
+            self._hand_off(parent, running)
+        else:
+            self._finish(parent, parent_reason)
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         sp = seq.sampling
@@ -333,10 +473,17 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
 
     def pop_finished(self, request_id: str) -> Sequence | None:
+        """The finished sequence of choice 0 (its other choices in `.choices`, n > 1), once
+        every choice of the request has finished; None before."""
         seq = self.seqs.get(request_id)
-        if seq is not None and seq.status == SeqStatus.FINISHED:
-            return self.seqs.pop(request_id)
-        return None
+        keys = self.groups.get(request_id, [])
+        members = [self.seqs.get(k) for k in keys]
+        if seq is None or any(m is None or m.status != SeqStatus.FINISHED for m in [seq, *members]):
+            return None
+        for key in [request_id, *self.groups.pop(request_id, ())]:
+            del self.seqs[key]
+        seq.choices = [seq, *members] if members else []
+        return seq
 
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:

@@ -58,12 +58,59 @@ TURN_TOKEN = "<|im_start|>"
 # Fixed ids 0..3: the trainer places special tokens first, in this order.
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, TURN_TOKEN)
 
+
+def _jinja(text: str) -> str:
+    """`text` as a Jinja string literal (Jinja reads JSON's escapes)."""
+    return json.dumps(text)
+
+
+# Qwen2.5's wording, so the tiny models see the prompt a real hermes-format model would.
+_TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
 # ChatML-like: each turn is "<|im_start|>{role}\n{content}<|eos|>\n", so one stop token
-# (eos) ends both a plain completion and an assistant turn.
+# (eos) ends both a plain completion and an assistant turn. With `tools`, Qwen2.5's layout
+# (the hermes format router/tools.py parses): the tool signatures in the system turn,
+# assistant calls as <tool_call> blocks, tool results as <tool_response> blocks in a user
+# turn. Messages without tools render exactly as before tools existed (prompts unchanged).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ " + _jinja(_TOOLS_HEAD) + " }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ " + _jinja(_TOOLS_TAIL) + " + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    '{{ \'\\n<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}'
+    "{% if call.arguments is string %}{{ call.arguments }}"
+    "{% else %}{{ call.arguments | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ eos_token + '\\n' }}{% endif %}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -1,7 +1,10 @@
 """Turns a step plan into tensors, runs the model once, and samples.
 
 Prefill computes logits only for the last token of each sequence that samples this step
-(a chunk that does not reach the end of its prompt samples nothing).
+(a chunk that does not reach the end of its prompt samples nothing), except for a sequence that
+asked for prompt log-probabilities: its chunk's every position goes through the head too (in
+slices, so a long chunk never holds a [tokens, vocab] tensor at once). A sequence about to fork
+into n choices has its last row repeated once per choice, each sampled on its own.
 """
 
 from __future__ import annotations
@@ -10,13 +13,25 @@ import torch
 
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.kv_cache import KVCache
-from engine.sampler import sample
-from engine.scheduler import StepPlan
+from engine.sampler import sample, token_logprobs
+from engine.scheduler import ScheduledSeq, StepPlan
+from engine.sequence import Sequence
+
+PROMPT_LOGPROBS_SLICE = 256  # positions per head call when scoring a prompt
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, backend, device: torch.device, seed: int):
+    def __init__(
+        self,
+        model,
+        cache: KVCache,
+        backend,
+        device: torch.device,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.cache = cache
         self.backend = backend
         self.device = device
@@ -70,21 +85,44 @@ class ModelRunner:
         return input_ids, torch.tensor(positions, dtype=i64, device=dev), meta
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int]:
-        """Run one step; return the sampled token of each sequence that samples, in order."""
+    def execute(self, plan: StepPlan) -> tuple[list[Sequence], list[int], list[tuple | None]]:
+        """Run one step. Returns the sequences that sample (each sampling sequence, followed by
+        its pending forks), their tokens, and their logprobs entries (None unless asked)."""
         input_ids, positions, meta = self.prepare(plan)
-        rows = [meta.query_start[i + 1] - 1 for i, s in enumerate(plan.scheduled) if s.samples]
         with forward_context(meta):
             hidden = self.model(input_ids, positions, self.cache, self.backend)
+        for i, s in enumerate(plan.scheduled):
+            if s.seq.sampling.prompt_logprobs is not None:
+                self._score_prompt(s, hidden[meta.query_start[i] : meta.query_start[i + 1]])
+        rows: list[int] = []
+        samplers: list[Sequence] = []
+        for i, s in enumerate(plan.scheduled):
+            if s.samples:
+                for seq in (s.seq, *s.seq.forks):
+                    rows.append(meta.query_start[i + 1] - 1)
+                    samplers.append(seq)
         if not rows:
-            return []
-        if len(rows) < hidden.shape[0]:  # a decode-only step samples every row: no gather
+            return [], [], []
+        if len(rows) < hidden.shape[0] or len(rows) > len(plan.scheduled):
             hidden = hidden[torch.tensor(rows, device=self.device)]
         logits = self.model.compute_logits(hidden)
-        samplers = [s.seq for s in plan.scheduled if s.samples]
-        return sample(
-            logits,
-            [s.sampling for s in samplers],
-            [s.generator for s in samplers],
-            self.generator,
-        )
+        tokens, entries = sample(logits, samplers, self.generator, self.eos_token_ids)
+        return samplers, tokens, entries
+
+    def _score_prompt(self, s: ScheduledSeq, hidden: torch.Tensor) -> None:
+        """Append the prompt positions this chunk scores to `seq.prompt_logprobs`: position p+1
+        is scored by the logits at p. Positions already scored (before a preemption) are not
+        scored again."""
+        seq, start = s.seq, s.seq.num_computed_tokens
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None]
+        k = seq.sampling.prompt_logprobs
+        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)  # last scoring position
+        first = max(start, len(seq.prompt_logprobs) - 1)
+        for lo in range(first, end, PROMPT_LOGPROBS_SLICE):
+            hi = min(lo + PROMPT_LOGPROBS_SLICE, end)
+            logits = self.model.compute_logits(hidden[lo - start : hi - start])
+            logprobs = logits.float().log_softmax(-1).cpu()
+            for p in range(lo, hi):
+                target = seq.token_ids[p + 1]
+                seq.prompt_logprobs.append(token_logprobs(logprobs[p - lo], target, k))

@@ -70,6 +70,25 @@ class PrefillRequest:
         _check_request(self)
 
 
+def _check_logprob_entry(name: str, entry) -> None:
+    """[logprob, rank, [[token id, logprob], ...]] (engine.sampler.token_logprobs)."""
+    if not isinstance(entry, list | tuple) or len(entry) != 3:
+        raise ValueError(f"{name} entries must be [logprob, rank, top]")
+    lp, rank, top = entry
+    if isinstance(lp, bool) or not isinstance(lp, int | float):
+        raise ValueError(f"{name}: logprob must be a number")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{name}: rank must be a positive int")
+    if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
+        raise ValueError(f"{name}: top must be a list of at most {MAX_TOP_LOGPROBS}")
+    for pair in top:
+        if not isinstance(pair, list | tuple) or len(pair) != 2 or isinstance(pair[0], bool):
+            raise ValueError(f"{name}: top entries must be [token id, logprob]")
+
+
+MAX_TOP_LOGPROBS = 20
+
+
 @message("tokens")
 @dataclass(slots=True)
 class TokenMessage:
@@ -81,14 +100,29 @@ class TokenMessage:
     worker_id: str = ""
     prefill_worker_id: str = ""  # set on the first token: where the prefill ran
     num_cached_tokens: int = 0
+    choice: int = 0  # which of the request's n choices
+    logprobs: list | None = None  # one entry per token in token_ids, when asked
+    prompt_logprobs: list | None = None  # with index 0 of choice 0, when asked (first is None)
 
     def __post_init__(self) -> None:
         _check_rid(self.request_id)
         _check_ids("token_ids", self.token_ids)
-        if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ValueError("index must be a non-negative int")
+        for name in ("index", "choice", "num_cached_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative int")
         if self.finish_reason not in (None, "stop", "length", "abort", "error"):
             raise ValueError(f"bad finish_reason {self.finish_reason!r}")
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, list) or len(self.logprobs) != len(self.token_ids):
+                raise ValueError("logprobs must hold one entry per token")
+            for entry in self.logprobs:
+                _check_logprob_entry("logprobs", entry)
+        if self.prompt_logprobs is not None:
+            if not isinstance(self.prompt_logprobs, list):
+                raise ValueError("prompt_logprobs must be a list")
+            for entry in self.prompt_logprobs[1:]:
+                _check_logprob_entry("prompt_logprobs", entry)
 
 
 @message("abort")

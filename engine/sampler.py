@@ -1,18 +1,27 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
+"""Token sampling: logits processors, structured-output masks, greedy / temperature / top-k /
+top-p / min-p, per-request seeds, and log-probabilities.
 
-Greedy rows are one argmax over the batch. Sampled rows draw with the request's own
-generator when it has a seed (so a seeded request is reproducible whatever batch it lands
-in) and with the engine's generator otherwise.
+Order, as vLLM's: log-probabilities are taken from the model's raw logits (fp32, before any
+processing: what transformers' log-softmax gives), then the logits processors (min_tokens,
+logit_bias, penalties; engine/logits_processors.py) and the grammar mask change the logits the
+choice is made from; greedy rows take the argmax of those, sampled rows divide by the
+temperature and filter by min-p, top-k and top-p. Sampled rows draw with the request's own
+generator when it has a seed (so a seeded request is reproducible whatever batch it lands in)
+and with the engine's generator otherwise. Rows that ask for none of this cost one argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.logits_processors import apply_logits_processors, min_p_mask
+from engine.sequence import Sequence
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    logits = min_p_mask(logits, min_p)
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -26,20 +35,44 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
+def token_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> tuple:
+    """(logprob of `token`, its rank (1 = most likely), [(id, logprob)] of the top k)."""
+    lp = logprobs_row[token]
+    rank = int((logprobs_row > lp).sum()) + 1
+    top = []
+    if k > 0:
+        values, ids = torch.topk(logprobs_row, k)
+        top = [[int(i), float(v)] for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    return (float(lp), rank, top)
+
+
 def sample(
     logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    seqs: list[Sequence],
     default_generator: torch.Generator,
-) -> list[int]:
-    """logits: [batch, vocab] float32 (on any device). Returns one token id per row."""
+    eos_token_ids: Seq[int] = (),
+) -> tuple[list[int], list[tuple | None]]:
+    """logits: [batch, vocab] float32 (on any device), row i for seqs[i]; modified in place.
+    Returns one token id per row and, per row, its logprobs entry (None unless asked)."""
+    want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
+    raw = logits[want].float().log_softmax(-1).cpu() if want else None
+    apply_logits_processors(logits, seqs, eos_token_ids)
+    for row, seq in enumerate(seqs):
+        if seq.grammar is not None:
+            seq.grammar.apply_mask(logits[row])
     greedy = logits.argmax(dim=-1).tolist()
-    out = []
-    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+    tokens = []
+    for row, seq in enumerate(seqs):
+        p = seq.sampling
         if p.greedy:
-            out.append(greedy[row])
+            tokens.append(greedy[row])
             continue
-        x = _filter(logits[row].float().cpu() / p.temperature, p.top_k, p.top_p)
+        x = _filter(logits[row].float().cpu() / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = x.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen or default_generator)))
-    return out
+        tokens.append(
+            int(torch.multinomial(probs, 1, generator=seq.generator or default_generator))
+        )
+    entries: list[tuple | None] = [None] * len(seqs)
+    for j, row in enumerate(want):
+        entries[row] = token_logprobs(raw[j], tokens[row], seqs[row].sampling.logprobs)
+    return tokens, entries

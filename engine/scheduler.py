@@ -96,9 +96,11 @@ class Scheduler:
         return sum(s.num_tokens - s.num_computed_tokens for s in self.waiting if not s.kv_from_peer)
 
     def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues (finish or abort); the caller frees its blocks."""
+        """Take a sequence out of the queues (finish or abort); the caller frees its blocks.
+        A choice not yet forked from its request is in no queue."""
         if seq.status == SeqStatus.WAITING:
-            self.waiting.remove(seq)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
         elif seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status == SeqStatus.REMOTE_KV:
@@ -172,13 +174,16 @@ class Scheduler:
                 self.fetching[seq.request_id] = seq
                 plan.fetch.append(seq)
                 continue
-            if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, seq.token_ids):
+            lookup = seq.token_ids if seq.sampling.prompt_logprobs is None else None
+            if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, lookup):
                 return
             if not self.chunked:
                 if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids) > budget:
                     return
             self.waiting.popleft()
-            seq.block_table, seq.num_cached_tokens = self.bm.allocate(seq.token_ids)
+            # Prompt log-probabilities need every position computed: no cached prefix.
+            use_cache = seq.sampling.prompt_logprobs is None
+            seq.block_table, seq.num_cached_tokens = self.bm.allocate(seq.token_ids, use_cache)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.num_committed_blocks = seq.num_cached_tokens // self.bm.block_size
             seq.status = SeqStatus.RUNNING

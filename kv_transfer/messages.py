@@ -71,6 +71,20 @@ def _check_compat(fields: object) -> None:
         _check_str(f"compat field {k}", v, 256, empty=True)
 
 
+def _check_choices(choices: object, first_token: int, sampling: SamplingParams) -> None:
+    if choices is None:
+        return
+    if not isinstance(choices, list) or not 1 <= len(choices) <= sampling.n:
+        raise ValueError(f"choices must be a list of 1..{sampling.n} [choice, token] pairs")
+    for pair in choices:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError("choices entries must be [choice, first token]")
+        _check_int("choice", pair[0], 0, sampling.n - 1)
+        _check_int("first token", pair[1], 0, 1 << 31)
+    if len({c for c, _ in choices}) != len(choices) or choices[0][1] != first_token:
+        raise ValueError("choices must not repeat a choice and must start with first_token's")
+
+
 @message("kvx.agent")
 @dataclass(slots=True)
 class AgentMetadata:
@@ -130,6 +144,8 @@ class KVReady:
     block_ids: list[int]
     num_tokens: int  # tokens whose KV the blocks hold
     lease_deadline: float
+    # n > 1: [choice, first token] of every choice still running (the first is first_token's).
+    choices: list | None = None
 
     def __post_init__(self) -> None:
         _check_str("request_id", self.request_id)
@@ -154,6 +170,7 @@ class KVReady:
         if any(b >= self.sender.num_blocks for b in self.block_ids):
             raise ValueError(f"block_ids must be below the sender's {self.sender.num_blocks}")
         _check_float("lease_deadline", self.lease_deadline)
+        _check_choices(self.choices, self.first_token, self.sampling)
 
 
 @message("kvx.hello")

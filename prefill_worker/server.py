@@ -60,6 +60,7 @@ class PrefillServer(EngineServer):
                 return
             self.pending[msg.request_id] = msg
             self.reply_to[msg.request_id] = msg.reply_to
+            self.open_choices[msg.request_id] = msg.sampling.n
         else:
             super().handle(msg)
 
@@ -87,6 +88,7 @@ class PrefillServer(EngineServer):
             block_ids=handoff.block_ids,
             num_tokens=handoff.num_tokens,
             lease_deadline=deadline,
+            choices=[list(c) for c in handoff.choices] if req.sampling.n > 1 else None,
         )
         self.outbox.append((req.decode_endpoint, ready))
         return True

@@ -26,8 +26,16 @@ _REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
+        self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(s for s in stop if s)
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self.token_ids: list[int] = []
@@ -40,7 +48,7 @@ class IncrementalDetokenizer:
         self._scanned = 0  # self._text[:_scanned] holds no complete stop string
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _emit_until(self, text: str, end: int) -> str:
         if end <= len(self.emitted):
@@ -72,9 +80,7 @@ class IncrementalDetokenizer:
         if self.stop:
             hit = self._find_stop(text, max(0, self._scanned - self._max_stop + 1))
             if hit is not None:
-                self.stopped = True
-                self.stop_string = hit[1]
-                return self._emit_until(text, hit[0])
+                return self._stop_at(text, hit)
             self._scanned = len(text)
         return self._emit_until(text, len(text) - self._held_back(text))
 
@@ -101,10 +107,13 @@ class IncrementalDetokenizer:
         if self.stop:
             hit = self._find_stop(full, max(0, len(self.emitted) - self._max_stop + 1))
             if hit is not None:
-                self.stopped = True
-                self.stop_string = hit[1]
-                return self._emit_until(full, hit[0])
+                return self._stop_at(full, hit)
         return self._emit_until(full, len(full))
+
+    def _stop_at(self, text: str, hit: tuple[int, str]) -> str:
+        self.stopped = True
+        self.stop_string = hit[1]
+        return self._emit_until(text, hit[0] + (len(hit[1]) if self.include_stop else 0))
 
     @property
     def text(self) -> str:

@@ -3,8 +3,9 @@
 Lifecycle: route (decode worker, local or remote prefill; counted) -> register a token queue ->
 send GenerateRequest or PrefillRequest -> wait for TokenMessages, failing the request when an
 index gap outlives `token_gap_timeout_s` or the request outlives `request_timeout_s` -> deliver
-them in index order -> detokenize, apply stop strings and the token limit -> yield `Piece`s
-until one carries a finish reason. Whatever way it ends before the workers said they finished
+them in index order, per choice (a request with n > 1 streams n choices, each with its own
+reorder buffer and detokenizer) -> detokenize, apply stop strings and the token limit -> yield
+`Piece`s until every choice has finished. Whatever way it ends before the workers said they finished
 (stop string, error, timeout, or the caller closing the generator because the client went
 away), AbortRequest goes to every worker involved.
 """
@@ -15,7 +16,7 @@ import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
@@ -35,11 +36,29 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Piece:
-    """Text that became ready for the client, with the tokens behind it."""
+    """Text of one choice that became ready for the client, with the tokens behind it (and
+    their logprobs entries when asked; `prompt_logprobs` comes with the first piece)."""
 
     text: str
     num_tokens: int
     finish_reason: str | None = None
+    choice: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+
+class ChoiceState:
+    """One choice's stream: in-order delivery, detokenization, its own stop and length."""
+
+    def __init__(self, parsed: ParsedRequest, tokenizer: Any) -> None:
+        self.reorder = TokenReorderBuffer()
+        self.detok = IncrementalDetokenizer(
+            tokenizer, parsed.stop, parsed.include_stop_str, parsed.skip_special_tokens
+        )
+        self.num_tokens = 0
+        self.done = False
+        self.cumulative_logprob = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,10 +85,10 @@ class Generation:
         self.rid = rid
         self.arrival = arrival  # time.monotonic(), the clock the event loop's time() reads
         self.placement: Placement | None = None
-        self.num_tokens = 0
+        self.num_tokens = 0  # over every choice
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache served (prefill worker)
         self._deadline = arrival + ctx.config.request_timeout_s
-        self._reorder = TokenReorderBuffer()
-        self._detok = IncrementalDetokenizer(ctx.tokenizer, parsed.stop)
+        self.choices = [ChoiceState(parsed, ctx.tokenizer) for _ in range(parsed.sampling.n)]
         self._workers_done = False  # True once no worker can still be running the request
         self._first_at: float | None = None
         self._last_at: float | None = None
@@ -82,10 +101,11 @@ class Generation:
         try:
             await self._dispatch(plan)
             while True:
-                for delivery in await self._next_deliveries(queue):
-                    piece = self._deliver(delivery, plan)
+                choice, deliveries = await self._next_deliveries(queue)
+                for delivery in deliveries:
+                    piece = self._deliver(delivery, plan, choice)
                     yield piece
-                    if piece.finish_reason is not None:
+                    if all(c.done for c in self.choices):
                         self._observe_end()
                         return
         finally:
@@ -126,19 +146,28 @@ class Generation:
         except SendError as e:
             raise APIError(503, str(e), code="worker_unreachable") from e
 
-    async def _next_deliveries(self, queue: asyncio.Queue[TokenMessage]) -> list[Delivery]:
-        """Wait for the next message within the deadlines; what it made deliverable, in order
-        (often nothing: a message ahead of a gap is only buffered)."""
+    def _gap_deadline(self) -> float | None:
+        deadlines = [
+            d
+            for c in self.choices
+            if (d := c.reorder.gap_deadline(self.ctx.config.token_gap_timeout_s)) is not None
+        ]
+        return min(deadlines, default=None)
+
+    async def _next_deliveries(
+        self, queue: asyncio.Queue[TokenMessage]
+    ) -> tuple[ChoiceState, list[Delivery]]:
+        """Wait for the next message within the deadlines; its choice and what it made
+        deliverable, in order (often nothing: a message ahead of a gap is only buffered)."""
         loop = asyncio.get_running_loop()
         gap_timeout_s = self.ctx.config.token_gap_timeout_s
         while True:
             now = loop.time()
-            gap_deadline = self._reorder.gap_deadline(gap_timeout_s)
+            gap_deadline = self._gap_deadline()
             if gap_deadline is not None and now >= gap_deadline:
                 raise APIError(
                     500,
-                    f"token stream of request {self.rid} has a gap at index "
-                    f"{self._reorder.next_index} older than {gap_timeout_s}s",
+                    f"token stream of request {self.rid} has a gap older than {gap_timeout_s}s",
                     code="token_gap",
                 )
             if now >= self._deadline:
@@ -152,36 +181,52 @@ class Generation:
                 msg = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
             except TimeoutError:
                 continue
+            if msg.choice >= len(self.choices):
+                raise APIError(500, f"request {self.rid}: a worker sent choice {msg.choice}")
+            choice = self.choices[msg.choice]
             try:
-                return self._reorder.push(msg, loop.time())
+                return choice, choice.reorder.push(msg, loop.time())
             except ReorderError as e:
                 raise APIError(500, f"request {self.rid}: {e}", code="token_reorder") from e
 
-    def _deliver(self, d: Delivery, plan: RoutePlan) -> Piece:
-        """Account for one in-order delivery and turn it into text (raises on a worker's
-        error or abort)."""
+    def _deliver(self, d: Delivery, plan: RoutePlan, choice: ChoiceState) -> Piece:
+        """Account for one in-order delivery of a choice and turn it into text (raises on a
+        worker's error or abort)."""
         if d.finish_reason in ("error", "abort"):
             # Remote: the other worker may still hold the request, so it still gets an abort.
             self._workers_done = plan.path == LOCAL
             raise self._worker_failure(d)
+        index = self.choices.index(choice)
+        if choice.done:  # stopped here by a stop string: later tokens are dropped
+            return Piece("", 0, None, index)
+        if d.num_cached_tokens:
+            self.num_cached_tokens = max(self.num_cached_tokens, d.num_cached_tokens)
         max_tokens = self.parsed.sampling.max_tokens
-        tokens = d.token_ids[: max_tokens - self.num_tokens]
+        tokens = d.token_ids[: max_tokens - choice.num_tokens]
+        logprobs = d.logprobs[: len(tokens)] if d.logprobs is not None else None
+        if logprobs:
+            choice.cumulative_logprob += sum(e[0] for e in logprobs)
         finish = d.finish_reason
-        self._workers_done = finish is not None
+        choice.num_tokens += len(tokens)
         self._observe_tokens(len(tokens))
-        detok = self._detok
+        detok = choice.detok
         text = detok.add(tokens)
         if detok.stopped:
             finish = "stop"
-        elif self.num_tokens >= max_tokens and finish is None:
+        elif choice.num_tokens >= max_tokens and finish is None:
             finish = "length"  # the worker overran; cut it off here
         if finish is not None and not detok.stopped:
             text += detok.finish()
             if detok.stopped:
                 finish = "stop"
-        return Piece(text, len(tokens), finish)
+        choice.done = finish is not None
+        if choice.done:
+            self.ctx.metrics.finished.labels(finish_reason=finish).inc()
+        self._workers_done = all(c.reorder.finished for c in self.choices)
+        return Piece(text, len(tokens), finish, index, tokens, logprobs, d.prompt_logprobs)
 
     def _worker_failure(self, d: Delivery) -> APIError:
+        self.ctx.metrics.finished.labels(finish_reason=d.finish_reason).inc()
         worker = d.worker_id or "?"
         if d.finish_reason == "error":
             return APIError(

@@ -5,8 +5,13 @@ Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read a
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
 transfer_bytes, transfer_seconds, transfer_failures, expired_leases, remote_prefills,
-recomputed, handoffs, aborts; see `_TRANSFER_KEYS`) and are exported as
-counters with a worker label; a restarted worker restarts its series, as Prometheus expects.
+recomputed, handoffs, aborts, prefix_hit_tokens, prefix_query_tokens; see `_TRANSFER_KEYS`) and
+are exported as counters with a worker label; a restarted worker restarts its series, as
+Prometheus expects.
+
+The Helm chart's recording rules (helm/tandem/templates/_vllm_rules.tpl) republish these under
+vLLM's names, and tests/deploy/test_helm_metrics.py checks every name they read is exported
+here: rename a metric in both places.
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ _LATENCY_BUCKETS = (
 )
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
+# The finish_reason label values of tandem_requests_finished, exported at 0 from the start:
+# stop, length and abort as vLLM names them, error for a request that failed.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 _TRANSFER_KEYS = (
     ("transfer_bytes", "tandem_kv_transfer_bytes", "KV bytes moved to/from this worker"),
     ("transfer_seconds", "tandem_kv_transfer_seconds", "Seconds spent in KV transfers"),
@@ -56,6 +65,11 @@ _TRANSFER_KEYS = (
     ("bad_frames", "tandem_worker_bad_frames", "Malformed or oversized frames a worker dropped"),
     ("preemptions", "tandem_preemptions", "Sequences preempted (recomputed) for lack of KV"),
     ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache"),
+    (
+        "prefix_query_tokens",
+        "tandem_prefix_cache_query_tokens",
+        "Prompt tokens looked up in the prefix cache (hit rate: hit tokens / these)",
+    ),
     (
         "remote_prefills",
         "tandem_kv_remote_prefills",
@@ -177,6 +191,15 @@ class RouterMetrics:
             "tandem_bad_frames", "Malformed frames dropped on the token sink", registry=r
         )
         self.inflight = Gauge("tandem_inflight_requests", "Requests in flight", registry=r)
+        self.finished = Counter(
+            "tandem_requests_finished",
+            "Finished generations by why they ended (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        # Every label value starts at 0 so a rate() over it is defined before the first event.
+        for reason in FINISH_REASONS:
+            self.finished.labels(finish_reason=reason)
         for status in ("success", "client_error", "server_error", "cancelled"):
             self.requests.labels(status=status)
         for path in (LOCAL, REMOTE):

@@ -1,7 +1,11 @@
 """OpenAI request parsing and validation: JSON body -> `ParsedRequest` (or an `APIError` 4xx).
 
 Every check that can fail on client input happens here, before anything is sent to a worker,
-so a bad request costs no worker time and can never surface as a 5xx.
+so a bad request costs no worker time and can never surface as a 5xx. Which fields exist and
+the shared sampling / structured-output checks are in router/request_fields.py.
+
+Sampling defaults come from the model's generation_config.json (temperature, top_p, top_k,
+min_p, repetition_penalty), as vLLM applies them, then OpenAI's.
 
 Defaults (as vLLM): `max_tokens` absent -> 16 for /v1/completions (the OpenAI legacy default),
 capped by the room left in the context window; for /v1/chat/completions the whole room left
@@ -11,14 +15,18 @@ with the prompt; chat's `max_completion_tokens` wins over `max_tokens`.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from router import request_fields as rf
 from router.errors import APIError, bad_request
+from router.request_fields import is_int as _is_int
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
 
 
 @dataclass(slots=True)
@@ -26,19 +34,27 @@ class ParsedRequest:
     kind: str  # "completion" | "chat"
     model: str
     prompt_ids: list[int]
-    sampling: SamplingParams
+    sampling: SamplingParams  # what the engine runs (its n is best_of when that is larger)
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
     extra: dict = field(default_factory=dict)
+    # Every prompt of a completions batch (prompt_ids is the first); one engine request each.
+    prompts: list[list[int]] = field(default_factory=list)
+    n: int = 1  # choices answered per prompt
+    logprobs: int | None = None  # top log-probabilities per token in the answer; None: off
+    echo: bool = False  # completions: the prompt (and its logprobs) before the answer
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone, nothing generated
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    tools: list | None = None
+    tool_choice: Any = None
+    tool_format: str | None = None  # the parser of "auto" tool calls (router/tools.py)
+    ignored_fields: list[str] = field(default_factory=list)
 
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            self.prompts = [self.prompt_ids]
 
 
 class RequestParser:
@@ -51,12 +67,20 @@ class RequestParser:
         max_model_len: int,
         vocab_size: int,
         completion_default_max_tokens: int = 16,
+        generation_defaults: dict | None = None,
+        check_structured: Callable[[str, str], None] | None = None,
+        tool_format: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.completion_default_max_tokens = completion_default_max_tokens
+        self.defaults = dict(generation_defaults or {})
+        # Compiles a structured-output spec (raises ValueError naming the problem) so a bad
+        # schema is a 400 here, not an error from a worker.
+        self.check_structured = check_structured
+        self.tool_format = tool_format
         # No token covers more characters than its longest vocabulary string, so text longer
         # than this cannot fit in the window: refuse it without paying to tokenize it.
         try:
@@ -78,46 +102,85 @@ class RequestParser:
     # ------------------------------------------------------------------ entry points
 
     def parse_completion(self, body: Any) -> ParsedRequest:
-        body = self._check_common(body)
-        for name in ("echo",):
-            if body.get(name):
-                raise bad_request(f"'{name}' is not supported", param=name)
-        if body.get("suffix") is not None:
-            raise bad_request("'suffix' is not supported", param="suffix")
-        if body.get("logprobs") not in (None, 0, False):
-            raise bad_request("'logprobs' is not supported", param="logprobs")
-        if body.get("best_of") not in (None, 1):
-            raise bad_request("'best_of' must be 1", param="best_of")
+        body = self._check_common(body, rf.COMPLETION_FIELDS)
         if "prompt" not in body or body["prompt"] is None:
             raise bad_request("'prompt' is required", param="prompt", code="missing_required")
-        prompt_ids = self._completion_prompt_ids(body["prompt"])
+        add_special = rf.optional_bool(body, "add_special_tokens", True)
+        prompts = self._completion_prompts(body["prompt"], add_special)
+        echo = rf.optional_bool(body, "echo", False)
+        logprobs = rf.count(body, "logprobs", None, 0, rf.MAX_LOGPROBS)
+        if body.get("logprobs") is False:
+            logprobs = None
+        longest = max(len(p) for p in prompts)
+        echo_only = echo and body.get("max_tokens") == 0
+        names = () if echo_only else ("max_tokens",)
         max_tokens = self._max_tokens(
-            body, ("max_tokens",), len(prompt_ids), default_cap=(self.completion_default_max_tokens)
+            body, names, longest, default_cap=self.completion_default_max_tokens
         )
-        return self._build("completion", body, prompt_ids, max_tokens)
+        parsed = self._build("completion", body, prompts, max_tokens, logprobs)
+        parsed.echo, parsed.echo_only = echo, echo_only
+        best_of = rf.count(body, "best_of", None, 1, rf.MAX_N)
+        if best_of is not None:
+            self._best_of(parsed, best_of)
+        if echo and logprobs is not None:
+            parsed.sampling = replace(parsed.sampling, prompt_logprobs=logprobs)
+        return parsed
+
+    def _best_of(self, parsed: ParsedRequest, best_of: int) -> None:
+        """best_of: sample best_of choices, answer the n with the highest cumulative logprob
+        (the engine's n is best_of; every choice reports its logprobs to rank them)."""
+        if best_of < parsed.n:
+            raise bad_request(f"best_of ({best_of}) must be >= n ({parsed.n})", "best_of")
+        if best_of > parsed.n and parsed.stream:
+            raise bad_request("best_of > n cannot be streamed", "best_of")
+        if best_of > parsed.n:
+            sp = parsed.sampling
+            parsed.sampling = replace(sp, n=best_of, logprobs=sp.logprobs or 0)
 
     def parse_chat(self, body: Any) -> ParsedRequest:
-        body = self._check_common(body)
-        if body.get("logprobs") not in (None, False):
-            raise bad_request("'logprobs' is not supported", param="logprobs")
-        if body.get("tools"):
-            raise bad_request("'tools' are not supported", param="tools")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise bad_request(
-                "only response_format {'type': 'text'} is supported", "response_format"
-            )
+        body = self._check_common(body, rf.CHAT_FIELDS)
         if "messages" not in body or body["messages"] is None:
             raise bad_request("'messages' is required", param="messages", code="missing_required")
         messages = self._chat_messages(body["messages"])
-        prompt_ids = self._apply_chat_template(messages)
+        tools, tool_choice = self._tools(body)
+        prompt_ids = self._apply_chat_template(messages, body, tools)
         names = ("max_completion_tokens", "max_tokens")
         max_tokens = self._max_tokens(body, names, len(prompt_ids), default_cap=None)
-        return self._build("chat", body, prompt_ids, max_tokens)
+        logprobs = None
+        top = rf.count(body, "top_logprobs", None, 0, rf.MAX_LOGPROBS)
+        if rf.optional_bool(body, "logprobs", False):
+            logprobs = top or 0
+        elif top is not None:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        parsed = self._build("chat", body, [prompt_ids], max_tokens, logprobs, tools, tool_choice)
+        if rf.optional_bool(body, "echo", False) and messages[-1]["role"] == "assistant":
+            parsed.extra["echo_text"] = messages[-1]["content"]
+        return parsed
+
+    def chat_prompt_ids(self, body: dict) -> list[int]:
+        """The prompt a chat body renders to (for /tokenize)."""
+        messages = self._chat_messages(body.get("messages"))
+        tools, _ = self._tools(body)
+        return self._apply_chat_template(messages, body, tools)
+
+    def _tools(self, body: dict) -> tuple[list | None, Any]:
+        from router.tools import validate_tools
+
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if not tools:
+            if choice not in (None, "none", "auto"):
+                raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+            return None, None
+        try:
+            validate_tools(tools, choice)
+        except ValueError as e:
+            param = "tool_choice" if "tool_choice" in str(e) else "tools"
+            raise bad_request(str(e), param) from e
+        return tools, "auto" if choice is None else choice
 
     # ------------------------------------------------------------------ shared checks
 
-    def _check_common(self, body: Any) -> dict:
+    def _check_common(self, body: Any, known: set[str]) -> dict:
         if not isinstance(body, dict):
             raise bad_request(
                 f"request body must be a JSON object, got {type(body).__name__}",
@@ -135,66 +198,96 @@ class RequestParser:
                     param="model",
                     code="model_not_found",
                 )
-        n = body.get("n")
-        if n is not None and (not _is_int(n) or n != 1):
-            raise bad_request("only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = body.get(name)
-            if v is not None and (not _is_number(v) or v != 0):
-                raise bad_request(f"'{name}' is not supported (must be 0)", param=name)
-        rp = body.get("repetition_penalty")
-        if rp is not None and (not _is_number(rp) or rp != 1):
-            raise bad_request(
-                "'repetition_penalty' is not supported (must be 1)", "repetition_penalty"
-            )
-        if body.get("logit_bias"):
-            raise bad_request("'logit_bias' is not supported", param="logit_bias")
+        rf.refuse_unsupported(body)
+        body = dict(body)
+        body["_ignored"] = rf.unknown_fields(body, known)
         return body
 
     def _build(
-        self, kind: str, body: dict, prompt_ids: list[int], max_tokens: int
+        self,
+        kind: str,
+        body: dict,
+        prompts: list[list[int]],
+        max_tokens: int,
+        logprobs: int | None,
+        tools: list | None = None,
+        tool_choice: Any = None,
     ) -> ParsedRequest:
         # Checks run in a fixed order so a body with several mistakes always names the same one.
+        n = rf.count(body, "n", 1, 1, rf.MAX_N)
         sampling = self._sampling_fields(body)
+        structured = self._structured(body, tools, tool_choice)
         stop = self._stop_strings(body.get("stop"))
         stream, include_usage = self._stream_flags(body)
-        return ParsedRequest(
+        prompt_logprobs = rf.count(body, "prompt_logprobs", None, 0, rf.MAX_LOGPROBS)
+        parsed = ParsedRequest(
             kind=kind,
             model=self.served_model_name,
-            prompt_ids=prompt_ids,
-            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+            prompt_ids=prompts[0],
+            sampling=SamplingParams(
+                max_tokens=max_tokens,
+                n=n,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                structured=structured,
+                **sampling,
+            ),
             stop=stop,
             stream=stream,
             include_usage=include_usage,
+            prompts=prompts,
+            n=n,
+            logprobs=logprobs,
+            include_stop_str=rf.optional_bool(body, "include_stop_str_in_output", False),
+            skip_special_tokens=rf.optional_bool(body, "skip_special_tokens", True),
+            tools=tools,
+            tool_choice=tool_choice,
+            tool_format=self.tool_format if tools and tool_choice == "auto" else None,
+            ignored_fields=body["_ignored"],
         )
+        if tools and tool_choice == "auto" and self.tool_format is None:
+            raise bad_request(
+                "this model's chat template has no tool-call format tandem can parse; use "
+                "tool_choice 'required' or a named function",
+                "tool_choice",
+            )
+        return parsed
+
+    def _structured(self, body: dict, tools, tool_choice) -> tuple[str, str] | None:
+        from router.tools import tool_choice_constraint
+
+        spec = rf.structured_spec(body)
+        forced = tool_choice_constraint(tools, tool_choice) if tools else None
+        if spec is not None and forced is not None:
+            raise bad_request(
+                "a forced tool_choice cannot be combined with another structured output constraint",
+                "tool_choice",
+            )
+        spec = spec or forced
+        if spec is not None and self.check_structured is not None:
+            try:
+                self.check_structured(*spec)
+            except ValueError as e:
+                raise bad_request(
+                    f"invalid structured output constraint: {e}", "response_format"
+                ) from e
+        return spec
 
     def _sampling_fields(self, body: dict) -> dict[str, Any]:
-        """The validated SamplingParams fields other than max_tokens."""
-        temperature = body.get("temperature")
-        if temperature is None:
-            temperature = 1.0
-        if not _is_number(temperature) or not math.isfinite(temperature) or temperature < 0:
-            raise bad_request(
-                f"temperature must be a number >= 0, got {temperature!r}", "temperature"
-            )
-        top_p = body.get("top_p")
-        if top_p is None:
-            top_p = 1.0
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise bad_request(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+        """The validated SamplingParams fields other than max_tokens, n and logprobs."""
+        d = self.defaults
+        temperature = rf.number(body, "temperature", d.get("temperature", 1.0), 0, 1e6)
+        top_p = rf.number(body, "top_p", d.get("top_p", 1.0), 0, 1, lo_open=True)
         top_k = body.get("top_k")
-        if top_k is None or top_k == 0:
+        if top_k is None:
+            top_k = d.get("top_k", -1)
+        if top_k == 0:
             top_k = -1  # vLLM: 0 and -1 both mean "no top-k"
         if not _is_int(top_k) or top_k < -1:
             raise bad_request(f"top_k must be -1, 0 or a positive int, got {top_k!r}", "top_k")
         seed = body.get("seed")
         if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
             raise bad_request(f"seed must be a 64-bit int, got {seed!r}", "seed")
-        ignore_eos = body.get("ignore_eos", False)
-        if ignore_eos is None:
-            ignore_eos = False
-        if not isinstance(ignore_eos, bool):
-            raise bad_request("ignore_eos must be a boolean", "ignore_eos")
         stop_token_ids = body.get("stop_token_ids")
         if stop_token_ids is None:
             stop_token_ids = []
@@ -202,12 +295,20 @@ class RequestParser:
             raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
         self._check_token_ids(stop_token_ids, "stop_token_ids")
         return {
-            "temperature": float(temperature),
-            "top_p": float(top_p),
+            "temperature": temperature,
+            "top_p": top_p,
             "top_k": top_k,
             "seed": seed,
             "stop_token_ids": tuple(stop_token_ids),
-            "ignore_eos": ignore_eos,
+            "ignore_eos": rf.optional_bool(body, "ignore_eos", False),
+            "min_tokens": rf.count(body, "min_tokens", 0, 0, self.max_model_len),
+            "presence_penalty": rf.number(body, "presence_penalty", 0.0, -2, 2),
+            "frequency_penalty": rf.number(body, "frequency_penalty", 0.0, -2, 2),
+            "repetition_penalty": rf.number(
+                body, "repetition_penalty", d.get("repetition_penalty", 1.0), 0, 1e6, True
+            ),
+            "logit_bias": rf.logit_bias(body, self.vocab_size),
+            "min_p": rf.number(body, "min_p", d.get("min_p", 0.0), 0, 1),
         }
 
     @staticmethod
@@ -290,33 +391,27 @@ class RequestParser:
 
     # ------------------------------------------------------------------ prompts
 
-    def _completion_prompt_ids(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str | list):
-            self._check_token_ids(prompt, "prompt")  # a flat list: token ids
-            return list(prompt)
+    def _completion_prompts(self, prompt: Any, add_special: bool) -> list[list[int]]:
+        """A string, a list of token ids, or a list of either (a batch, one choice set each)."""
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+            if len(prompt) > rf.MAX_N:
+                raise bad_request(f"at most {rf.MAX_N} prompts per request", "prompt")
+            return [self._one_prompt(p, add_special) for p in prompt]
+        return [self._one_prompt(prompt, add_special)]
+
+    def _one_prompt(self, prompt: Any, add_special: bool) -> list[int]:
         if isinstance(prompt, list):
             if not prompt:
                 raise bad_request("prompt must not be empty", "prompt", code="empty_prompt")
-            if len(prompt) > 1:
-                raise bad_request(
-                    f"a list of {len(prompt)} prompts is not supported; send one prompt per "
-                    "request",
-                    "prompt",
-                )
-            prompt = prompt[0]
-            if isinstance(prompt, list):
-                if not prompt:
-                    raise bad_request("prompt must not be empty", "prompt", code="empty_prompt")
-                self._check_token_ids(prompt, "prompt")
-                return list(prompt)
+            self._check_token_ids(prompt, "prompt")
+            return list(prompt)
         if not isinstance(prompt, str):
             raise bad_request(
-                "prompt must be a string, a list of token ids, or a one-element list of either",
-                "prompt",
+                "prompt must be a string, a list of token ids, or a list of either", "prompt"
             )
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt", code="empty_prompt")
-        ids = self._tokenize(prompt, "prompt", add_special_tokens=True)
+        ids = self._tokenize(prompt, "prompt", add_special_tokens=add_special)
         if not ids:
             raise bad_request("prompt tokenizes to no tokens", "prompt", code="empty_prompt")
         return ids
@@ -326,19 +421,51 @@ class RequestParser:
             raise bad_request("messages must be a list of message objects", "messages")
         if not messages:
             raise bad_request("messages must not be empty", "messages", code="empty_prompt")
+        return [self._chat_message(msg, i) for i, msg in enumerate(messages)]
+
+    def _chat_message(self, msg: Any, i: int) -> dict:
+        if not isinstance(msg, dict):
+            raise bad_request(f"messages[{i}] must be an object", "messages")
+        extra = sorted(set(msg) - MESSAGE_FIELDS)
+        if extra:
+            raise bad_request(f"messages[{i}] has unsupported fields {extra}", "messages")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise bad_request(f"messages[{i}].role must be a string", "messages")
+        if role not in CHAT_ROLES:
+            raise bad_request(
+                f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}",
+                "messages",
+            )
+        out = {"role": role, "content": self._message_text(msg.get("content"), i)}
+        for name in ("name", "tool_call_id"):
+            if msg.get(name) is not None:
+                if not isinstance(msg[name], str):
+                    raise bad_request(f"messages[{i}].{name} must be a string", "messages")
+                out[name] = msg[name]
+        if msg.get("tool_calls"):
+            out["tool_calls"] = self._message_tool_calls(msg["tool_calls"], i)
+        return out
+
+    @staticmethod
+    def _message_tool_calls(calls: Any, i: int) -> list[dict]:
+        """An assistant turn's earlier tool calls, with arguments as objects for the template
+        (OpenAI sends them as JSON text)."""
+        if not isinstance(calls, list):
+            raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
         out = []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict):
-                raise bad_request(f"messages[{i}] must be an object", "messages")
-            role = msg.get("role")
-            if not isinstance(role, str):
-                raise bad_request(f"messages[{i}].role must be a string", "messages")
-            if role not in CHAT_ROLES:
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise bad_request(f"messages[{i}].tool_calls need function.name", "messages")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except json.JSONDecodeError as e:
                 raise bad_request(
-                    f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}",
-                    "messages",
-                )
-            out.append({"role": role, "content": self._message_text(msg.get("content"), i)})
+                    f"messages[{i}].tool_calls arguments are not JSON: {e}", "messages"
+                ) from e
+            out.append({**call, "function": {"name": fn["name"], "arguments": args}})
         return out
 
     @staticmethod
@@ -361,21 +488,42 @@ class RequestParser:
             return "\n".join(parts)
         raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
 
-    def _apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def _apply_chat_template(self, messages: list[dict], body: dict, tools) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 f"model `{self.served_model_name}` has no chat template; use /v1/completions",
                 "messages",
                 code="no_chat_template",
             )
+        cont = rf.optional_bool(body, "continue_final_message", False)
+        gen = rf.optional_bool(body, "add_generation_prompt", not cont)
+        if cont and gen:
+            raise bad_request(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        if cont and messages[-1]["role"] != "assistant":
+            raise bad_request(
+                "continue_final_message needs the last message to be the assistant's",
+                "continue_final_message",
+            )
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=gen,
+                continue_final_message=cont,
+                **kwargs,
             )
         except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
             raise bad_request(f"chat template failed: {e}", "messages") from e
         # The template already wrote BOS and the turn markers.
-        ids = self._tokenize(text, "messages", add_special_tokens=False)
+        add_special = rf.optional_bool(body, "add_special_tokens", False)
+        ids = self._tokenize(text, "messages", add_special_tokens=add_special)
         if not ids:
             raise bad_request("messages render to an empty prompt", "messages", code="empty_prompt")
         return ids

@@ -30,6 +30,8 @@ class Delivery:
     worker_id: str = ""
     prefill_worker_id: str = ""
     num_cached_tokens: int = 0
+    logprobs: list | None = None  # one entry per token_ids entry, when asked
+    prompt_logprobs: list | None = None
 
 
 class ReorderError(RuntimeError):
@@ -92,13 +94,17 @@ class TokenReorderBuffer:
         if not fresh and not (msg.finish_reason and end == self.next_index):
             self.num_duplicates += 1
             return
+        skip = self.next_index - msg.index
         self.next_index = max(self.next_index, end)
         if msg.finish_reason is not None:
             self.finished = True
-        out.append(_delivery(msg, list(fresh), msg.finish_reason))
+        logprobs = msg.logprobs[skip:] if msg.logprobs is not None and skip >= 0 else None
+        out.append(_delivery(msg, list(fresh), msg.finish_reason, logprobs))
 
 
-def _delivery(msg: TokenMessage, token_ids: list[int], finish: str | None) -> Delivery:
+def _delivery(
+    msg: TokenMessage, token_ids: list[int], finish: str | None, logprobs: list | None = None
+) -> Delivery:
     return Delivery(
         token_ids=token_ids,
         finish_reason=finish,
@@ -106,4 +112,6 @@ def _delivery(msg: TokenMessage, token_ids: list[int], finish: str | None) -> De
         worker_id=msg.worker_id,
         prefill_worker_id=msg.prefill_worker_id,
         num_cached_tokens=msg.num_cached_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )

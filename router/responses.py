@@ -42,43 +42,29 @@ def placement_headers(placement: Placement | None) -> dict[str, str]:
     return {} if placement is None else placement.headers()
 
 
-def usage(parsed: ParsedRequest, completion_tokens: int) -> dict[str, int]:
-    prompt_tokens = len(parsed.prompt_ids)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def ignored_headers(parsed: ParsedRequest) -> dict[str, str]:
+    """Unknown request fields, named back to the client (router/request_fields.py)."""
+    if not parsed.ignored_fields:
+        return {}
+    return {"X-Tandem-Ignored-Fields": ",".join(parsed.ignored_fields)[:1000]}
 
 
 def completion_body(
     parsed: ParsedRequest,
     rid: str,
     created: int,
-    text: str,
-    finish_reason: str | None,
-    completion_tokens: int,
+    choices: list[dict[str, Any]],
+    usage: dict[str, Any],
     placement: Placement | None,
 ) -> dict[str, Any]:
     """The whole answer of a non-streaming completion or chat completion."""
-    if parsed.kind == "chat":
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
     return {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if parsed.kind == "chat" else "text_completion",
         "created": created,
         "model": parsed.model,
-        "choices": [choice],
-        "usage": usage(parsed, completion_tokens),
+        "choices": choices,
+        "usage": usage,
         "tandem": {} if placement is None else placement.as_dict(),
     }
 
@@ -96,17 +82,32 @@ def chunk(
     finish_reason: str | None,
     *,
     first: bool = False,
+    index: int = 0,
+    logprobs: dict | None = None,
+    tool_calls: list | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece; `first` (chat) announces the assistant role."""
+    """One streamed piece of choice `index`; `first` (chat) announces the assistant role."""
     if parsed.kind == "chat":
-        delta: dict[str, str] = {}
+        delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if tool_calls:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": index,
+            "text": text or "",
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }
     out: dict[str, Any] = {
         "id": rid,
         "object": _chunk_object(parsed),
@@ -120,7 +121,7 @@ def chunk(
 
 
 def usage_chunk(
-    parsed: ParsedRequest, rid: str, created: int, completion_tokens: int
+    parsed: ParsedRequest, rid: str, created: int, usage: dict[str, Any]
 ) -> dict[str, Any]:
     """The last chunk before [DONE] when stream_options.include_usage is set."""
     return {
@@ -129,16 +130,17 @@ def usage_chunk(
         "created": created,
         "model": parsed.model,
         "choices": [],
-        "usage": usage(parsed, completion_tokens),
+        "usage": usage,
     }
 
 
-def stream_headers(rid: str, placement: Placement | None) -> dict[str, str]:
+def stream_headers(rid: str, placement: Placement | None, parsed: ParsedRequest) -> dict[str, str]:
     return {
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
         "X-Request-Id": rid,
         **placement_headers(placement),
+        **ignored_headers(parsed),
     }
 
 

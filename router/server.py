@@ -18,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -35,10 +37,13 @@ from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
 from router.errors import APIError
-from router.generation import Generation, GenerationContext
+from router.generation import GenerationContext
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest, RequestParser
 from router.pool import WorkerPool
+from router.serving import RequestRun, StreamWriter
+from router.tools import detect_tool_format
+from router.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,28 @@ class ModelInfo:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    # Sampling defaults from generation_config.json (vLLM applies them the same way).
+    generation_defaults: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def tandem_version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(model_path: str) -> dict:
+    """The sampling fields a model's generation_config.json sets (absent file: none)."""
+    path = Path(model_path, "generation_config.json")
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in _GENERATION_DEFAULTS if config.get(k) is not None}
 
 
 def load_model_info(config: RouterConfig) -> ModelInfo:
@@ -69,7 +96,10 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     if config.max_model_len is not None:
         max_len = min(max_len, config.max_model_len)
     vocab = getattr(hf_config, "vocab_size", None) or len(tokenizer)
-    return ModelInfo(tokenizer, int(max_len), int(vocab))
+    eos = getattr(hf_config, "eos_token_id", None)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    defaults = generation_defaults(config.model_path)
+    return ModelInfo(tokenizer, int(max_len), int(vocab), defaults, eos_ids)
 
 
 class RouterServer:
@@ -122,6 +152,9 @@ class RouterServer:
             info.max_model_len,
             info.vocab_size,
             self.config.completion_default_max_tokens,
+            generation_defaults=info.generation_defaults,
+            check_structured=self._structured_checker(info),
+            tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
         )
         self._generation_context = GenerationContext(
             self.config, self.pool, self.dataplane, self.metrics, info.tokenizer, self._spawn
@@ -137,6 +170,17 @@ class RouterServer:
             self.config,
         )
 
+    @staticmethod
+    def _structured_checker(info: ModelInfo):
+        """Compiles structured-output specs against the served tokenizer, so a bad schema is
+        a 400 at the router (the workers compile the same spec from their cache)."""
+        if not hasattr(info.tokenizer, "backend_tokenizer"):
+            return None  # not a fast HF tokenizer (test fakes): the workers still check
+        from engine.structured import GrammarCompiler
+
+        compiler = GrammarCompiler(info.tokenizer, info.vocab_size, info.eos_token_ids)
+        return compiler.validate
+
     async def _start_http(self) -> None:
         app = web.Application(
             client_max_size=self.config.max_body_bytes,
@@ -147,6 +191,16 @@ class RouterServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        info, parser = self.model_info, self.parser
+        assert info is not None and parser is not None
+        add_utility_routes(
+            app,
+            info.tokenizer,
+            parser.served_model_name,
+            info.max_model_len,
+            tandem_version(),
+            parser.chat_prompt_ids,
+        )
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request on the workers (the Generation's pieces() is closed).
         # shutdown_timeout: stop() waits this long for in-flight responses before closing.
@@ -295,14 +349,14 @@ class RouterServer:
         self, request: web.Request, parsed: ParsedRequest, rid: str
     ) -> web.StreamResponse:
         assert self._generation_context is not None
-        generation = Generation(self._generation_context, parsed, rid, time.monotonic())
+        run = RequestRun(self._generation_context, parsed, rid, time.monotonic())
         self.metrics.inflight.inc()
         status = "cancelled"
         try:
             if parsed.stream:
-                resp = await self._respond_stream(request, generation)
+                resp = await self._respond_stream(request, run)
             else:
-                resp = await self._respond_json(generation)
+                resp = await self._respond_json(run)
             status = "success"
             return resp
         except APIError as e:
@@ -318,39 +372,24 @@ class RouterServer:
             self.metrics.inflight.dec()
             self.metrics.requests.labels(status=status).inc()
 
-    async def _respond_json(self, generation: Generation) -> web.Response:
-        parts: list[str] = []
-        finish = None
-        async with contextlib.aclosing(generation.pieces()) as pieces:
-            async for piece in pieces:
-                parts.append(piece.text)
-                finish = piece.finish_reason or finish
-        body = responses.completion_body(
-            generation.parsed,
-            generation.rid,
-            int(time.time()),
-            "".join(parts),
-            finish,
-            generation.num_tokens,
-            generation.placement,
-        )
-        return web.json_response(body, headers=responses.placement_headers(generation.placement))
+    async def _respond_json(self, run: RequestRun) -> web.Response:
+        body = await run.answer_body(int(time.time()))
+        headers = {
+            **responses.placement_headers(run.placement),
+            **responses.ignored_headers(run.parsed),
+        }
+        return web.json_response(body, headers=headers)
 
-    async def _respond_stream(
-        self, request: web.Request, generation: Generation
-    ) -> web.StreamResponse:
-        parsed, rid = generation.parsed, generation.rid
-        created = int(time.time())
+    async def _respond_stream(self, request: web.Request, run: RequestRun) -> web.StreamResponse:
+        parsed, rid = run.parsed, run.rid
+        writer = StreamWriter(run, int(time.time()))
         resp: web.StreamResponse | None = None
-        async with contextlib.aclosing(generation.pieces()) as pieces:
+        async with contextlib.aclosing(run.pieces()) as pieces:
             try:
-                async for piece in pieces:
+                async for p, piece in pieces:
                     if resp is None:
-                        resp = await self._open_stream(request, generation, created)
-                    if piece.text or piece.finish_reason is not None:
-                        chunk = responses.chunk(
-                            parsed, rid, created, piece.text, piece.finish_reason
-                        )
+                        resp = await self._open_stream(request, run, writer)
+                    for chunk in writer.chunks(p, piece):
                         await resp.write(responses.sse_event(chunk))
             except APIError as e:
                 if resp is None:
@@ -362,7 +401,7 @@ class RouterServer:
                 raise _StreamFailed(resp) from e
         assert resp is not None
         if parsed.include_usage:
-            usage = responses.usage_chunk(parsed, rid, created, generation.num_tokens)
+            usage = responses.usage_chunk(parsed, rid, writer.created, run.usage())
             await resp.write(responses.sse_event(usage))
         await resp.write(responses.SSE_DONE)
         await resp.write_eof()
@@ -370,18 +409,16 @@ class RouterServer:
 
     @staticmethod
     async def _open_stream(
-        request: web.Request, generation: Generation, created: int
+        request: web.Request, run: RequestRun, writer: StreamWriter
     ) -> web.StreamResponse:
         """Send the headers (held back until the first piece so that an early failure can
-        still be a plain HTTP error with a JSON body) and, for chat, the role chunk."""
-        parsed = generation.parsed
+        still be a plain HTTP error with a JSON body) and, for chat, the role chunks."""
         resp = web.StreamResponse(
-            headers=responses.stream_headers(generation.rid, generation.placement)
+            headers=responses.stream_headers(run.rid, run.placement, run.parsed)
         )
         await resp.prepare(request)
-        if parsed.kind == "chat":
-            first = responses.chunk(parsed, generation.rid, created, "", None, first=True)
-            await resp.write(responses.sse_event(first))
+        for chunk in writer.role_chunks():
+            await resp.write(responses.sse_event(chunk))
         return resp
 
 

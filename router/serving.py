@@ -1,0 +1,250 @@
+"""One HTTP request's generations and their answer, streamed or whole.
+
+A completions request with a list of prompts runs one `Generation` per prompt (engine request
+ids `<rid>-<i>`), concurrently; each carries the engine's n choices. Choice `c` of prompt `p`
+answers as OpenAI index `p * n + c`. Whole answers (`answer_body`) wait for every choice;
+streams (`stream_chunks`) merge the generations' pieces as they come, one chunk per piece.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from router import answers, responses
+from router.answers import ChoiceResult, TokenText
+from router.generation import Generation, GenerationContext, Piece
+from router.openai_api import ParsedRequest
+
+_END = object()
+
+
+class RequestRun:
+    def __init__(self, ctx: GenerationContext, parsed: ParsedRequest, rid: str, arrival: float):
+        self.parsed = parsed
+        self.rid = rid
+        self.text_of = TokenText(ctx.tokenizer)
+        self.tokenizer = ctx.tokenizer
+        many = len(parsed.prompts) > 1
+        self.generations = [
+            Generation(ctx, _for_prompt(parsed, ids), f"{rid}-{i}" if many else rid, arrival)
+            for i, ids in enumerate(parsed.prompts)
+        ]
+
+    @property
+    def placement(self):
+        return self.generations[0].placement
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return 0 if self.parsed.echo_only else sum(g.num_tokens for g in self.generations)
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.parsed.prompts)
+        cached = sum(g.num_cached_tokens for g in self.generations)
+        return answers.usage(prompt, self.num_completion_tokens, cached)
+
+    # ------------------------------------------------------------------ whole answers
+
+    async def results(self) -> list[ChoiceResult]:
+        per_prompt = await asyncio.gather(*(self._collect(g) for g in self.generations))
+        out: list[ChoiceResult] = []
+        for p, results in enumerate(per_prompt):
+            if self.parsed.sampling.n > self.parsed.n:
+                results = answers.best_of(results, self.parsed.n)
+            for r in results:
+                r.index += p * self.parsed.n
+            out += results
+        return out
+
+    async def _collect(self, generation: Generation) -> list[ChoiceResult]:
+        results = [ChoiceResult(i) for i in range(generation.parsed.sampling.n)]
+        async with contextlib.aclosing(generation.pieces()) as pieces:
+            async for piece in pieces:
+                r = results[piece.choice]
+                r.text += piece.text
+                r.finish_reason = piece.finish_reason or r.finish_reason
+                r.token_ids += piece.token_ids
+                if piece.logprobs:
+                    r.entries += piece.logprobs
+                if piece.prompt_logprobs is not None:
+                    r.prompt_entries = piece.prompt_logprobs
+        for r, state in zip(results, generation.choices, strict=True):
+            r.cumulative_logprob = state.cumulative_logprob
+        return results
+
+    def choice_body(self, r: ChoiceResult, prompt_ids: list[int]) -> dict[str, Any]:
+        parsed = self.parsed
+        if parsed.kind == "chat":
+            text = parsed.extra.get("echo_text", "") + r.text
+            message, called = answers.tool_message(parsed, text)
+            logprobs = None
+            if parsed.logprobs is not None:
+                logprobs = answers.chat_logprobs(self.text_of, r.token_ids, r.entries)
+            finish = "tool_calls" if called else r.finish_reason
+            return {
+                "index": r.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
+        return {
+            "index": r.index,
+            "text": self._completion_text(r, prompt_ids),
+            "logprobs": self._completion_logprobs(r, prompt_ids),
+            "finish_reason": "length" if parsed.echo_only else r.finish_reason,
+        }
+
+    def _completion_text(self, r: ChoiceResult, prompt_ids: list[int]) -> str:
+        parsed = self.parsed
+        out = "" if parsed.echo_only else r.text
+        if parsed.echo:
+            out = self.tokenizer.decode(prompt_ids, skip_special_tokens=False) + out
+        return out
+
+    def _completion_logprobs(self, r: ChoiceResult, prompt_ids: list[int]) -> dict | None:
+        parsed = self.parsed
+        if parsed.logprobs is None:
+            return None
+        ids: list[int] = [] if parsed.echo_only else list(r.token_ids)
+        entries: list = [] if parsed.echo_only else list(r.entries)
+        if parsed.echo:
+            prompt_entries = r.prompt_entries or [None] * len(prompt_ids)
+            ids, entries = prompt_ids + ids, prompt_entries + entries
+        return answers.completion_logprobs(self.text_of, ids, entries)
+
+    async def answer_body(self, created: int) -> dict[str, Any]:
+        results = await self.results()
+        n = self.parsed.n
+        choices = [self.choice_body(r, self.parsed.prompts[r.index // n]) for r in results]
+        return responses.completion_body(
+            self.parsed, self.rid, created, choices, self.usage(), self.placement
+        )
+
+    # ------------------------------------------------------------------ streams
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(prompt index, piece) from every generation as they come; closing this closes them
+        all (which aborts their requests on the workers)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: int, generation: Generation) -> None:
+            try:
+                async with contextlib.aclosing(generation.pieces()) as pieces:
+                    async for piece in pieces:
+                        await queue.put((p, piece))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put(e)
+                return
+            await queue.put(_END)
+
+        tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(self.generations)]
+        try:
+            ended = 0
+            while ended < len(tasks):
+                item = await queue.get()
+                if item is _END:
+                    ended += 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _for_prompt(parsed: ParsedRequest, prompt_ids: list[int]) -> ParsedRequest:
+    """The request as one prompt's generation sees it."""
+    from dataclasses import replace
+
+    return replace(parsed, prompt_ids=prompt_ids, prompts=[prompt_ids])
+
+
+class StreamWriter:
+    """Turns (prompt index, piece) pairs into chunks: echo before a choice's first piece, its
+    logprobs beside its text, tool calls held back and sent as `tool_calls` deltas."""
+
+    def __init__(self, run: RequestRun, created: int) -> None:
+        self.run = run
+        self.created = created
+        self.started: set[int] = set()
+        self.tool_parsers: dict[int, Any] = {}
+        self.held: dict[int, str] = {}  # forced tool calls: the whole JSON, sent at the end
+
+    def role_chunks(self) -> list[dict[str, Any]]:
+        parsed = self.run.parsed
+        if parsed.kind != "chat":
+            return []
+        total = len(parsed.prompts) * parsed.n
+        return [
+            responses.chunk(parsed, self.run.rid, self.created, "", None, first=True, index=i)
+            for i in range(total)
+        ]
+
+    def chunks(self, p: int, piece: Piece) -> list[dict[str, Any]]:
+        parsed = self.run.parsed
+        index = p * parsed.n + piece.choice
+        text, logprobs = self._text_and_logprobs(p, index, piece)
+        tool_calls = None
+        if parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"):
+            text, tool_calls = self._tools(index, text, piece.finish_reason)
+        finish = piece.finish_reason
+        if tool_calls:
+            finish = finish and "tool_calls"
+        if not text and finish is None and not tool_calls and not logprobs:
+            return []
+        return [
+            responses.chunk(
+                parsed,
+                self.run.rid,
+                self.created,
+                text,
+                finish,
+                index=index,
+                logprobs=logprobs,
+                tool_calls=tool_calls,
+            )
+        ]
+
+    def _text_and_logprobs(self, p: int, index: int, piece: Piece) -> tuple[str, dict | None]:
+        run, parsed = self.run, self.run.parsed
+        ids = [] if parsed.echo_only else piece.token_ids
+        entries = [] if parsed.echo_only or not piece.logprobs else piece.logprobs
+        text = "" if parsed.echo_only else piece.text
+        prefix_ids: list[int] = []
+        prefix_entries: list = []
+        if index not in self.started:
+            self.started.add(index)
+            if parsed.echo:
+                prefix_ids = parsed.prompts[p]
+                text = run.tokenizer.decode(prefix_ids, skip_special_tokens=False) + text
+                prefix_entries = piece.prompt_logprobs or [None] * len(prefix_ids)
+            if parsed.kind == "chat" and parsed.extra.get("echo_text"):
+                text = parsed.extra["echo_text"] + text
+        if parsed.logprobs is None:
+            return text, None
+        if parsed.kind == "chat":
+            return text, answers.chat_logprobs(run.text_of, ids, entries)
+        return text, answers.completion_logprobs(
+            run.text_of, prefix_ids + ids, prefix_entries + entries
+        )
+
+    def _tools(self, index: int, text: str, finish: str | None) -> tuple[str | None, list | None]:
+        from router.tools import ToolStreamParser
+
+        parsed = self.run.parsed
+        if parsed.tool_choice == "auto":
+            parser = self.tool_parsers.setdefault(index, ToolStreamParser(parsed.tool_format))
+            content = parser.feed(text)
+            if finish is None:
+                return content, None
+            rest = parser.finish()
+            return content + (rest.content or ""), rest.tool_calls or None
+        self.held[index] = self.held.get(index, "") + text
+        if finish is None:
+            return None, None
+        return None, answers.forced_tool_calls(parsed, self.held.pop(index)) or None

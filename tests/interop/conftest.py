@@ -1,0 +1,56 @@
+"""A live `tandem serve` per test module (the e2e `ServeProcess`), its OpenAI client, and the
+transformers reference on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import pytest
+from e2e.conftest import ServeProcess
+
+from .reference import Reference
+
+# Prompts shorter than this many tokens are prefilled on the decode worker; longer ones take
+# the prefill worker and the KV hand-off. The tests use both.
+THRESHOLD = 24
+# What tests/e2e/test_serve_parity.py runs for exact fp32 parity with transformers.
+SERVE_FLAGS = (
+    "--dtype", "float32", "--prefill", "1", "--decode", "1",
+    "--disagg-threshold", str(THRESHOLD), "--max-num-batched-tokens", "256",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def interop_model(make_tiny_model) -> Path:
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="session")
+def reference(interop_model) -> Reference:
+    return Reference(interop_model)
+
+
+@pytest.fixture(scope="module")
+def server(interop_model, tmp_path_factory):
+    """One `tandem serve` for the module; it must shut down cleanly (exit 0, nothing left)."""
+    sp = ServeProcess(interop_model, tmp_path_factory.mktemp("serve"), *SERVE_FLAGS)
+    try:
+        yield sp
+    finally:
+        code = sp.stop()
+    assert code == 0, f"tandem serve exited with {code}:\n{sp.log_path.read_text()[-3000:]}"
+    assert sp.leftovers() == [], "tandem serve left processes behind"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model_name(client) -> str:
+    """The served model name, as a client finds it (the e2e tests do the same)."""
+    return client.models.list().data[0].id
