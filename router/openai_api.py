@@ -22,7 +22,7 @@ from typing import Any
 
 from engine.sampling_params import SamplingParams
 from router import request_fields as rf
-from router.errors import APIError, bad_request
+from router.errors import bad_request
 from router.request_fields import is_int as _is_int
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -181,23 +181,7 @@ class RequestParser:
     # ------------------------------------------------------------------ shared checks
 
     def _check_common(self, body: Any, known: set[str]) -> dict:
-        if not isinstance(body, dict):
-            raise bad_request(
-                f"request body must be a JSON object, got {type(body).__name__}",
-                code="invalid_json",
-            )
-        model = body.get("model")
-        if model is not None:
-            if not isinstance(model, str):
-                raise bad_request("'model' must be a string", param="model")
-            if model != self.served_model_name:
-                raise APIError(
-                    404,
-                    f"The model `{model}` does not exist; this server serves "
-                    f"`{self.served_model_name}`.",
-                    param="model",
-                    code="model_not_found",
-                )
+        body = rf.check_body_and_model(body, self.served_model_name)
         rf.refuse_unsupported(body)
         body = dict(body)
         body["_ignored"] = rf.unknown_fields(body, known)
@@ -256,21 +240,20 @@ class RequestParser:
     def _structured(self, body: dict, tools, tool_choice) -> tuple[str, str] | None:
         from router.tools import tool_choice_constraint
 
-        spec = rf.structured_spec(body)
+        spec, param = rf.structured_spec(body)
         forced = tool_choice_constraint(tools, tool_choice) if tools else None
         if spec is not None and forced is not None:
             raise bad_request(
                 "a forced tool_choice cannot be combined with another structured output constraint",
                 "tool_choice",
             )
-        spec = spec or forced
+        if spec is None:
+            spec, param = forced, "tools"
         if spec is not None and self.check_structured is not None:
             try:
                 self.check_structured(*spec)
             except ValueError as e:
-                raise bad_request(
-                    f"invalid structured output constraint: {e}", "response_format"
-                ) from e
+                raise bad_request(f"invalid structured output constraint: {e}", param) from e
         return spec
 
     def _sampling_fields(self, body: dict) -> dict[str, Any]:

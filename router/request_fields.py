@@ -14,7 +14,7 @@ import logging
 import math
 from typing import Any
 
-from router.errors import bad_request
+from router.errors import APIError, bad_request
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,27 @@ REFUSED = {
     "spaces_between_special_tokens": "only the default (true) is supported",
 }
 _warned: set[str] = set()
+
+
+def check_body_and_model(body: Any, served_model_name: str) -> dict:
+    """A JSON object whose `model`, when given, is the served one (else 400 / 404)."""
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"request body must be a JSON object, got {type(body).__name__}",
+            code="invalid_json",
+        )
+    model = body.get("model")
+    if model is not None:
+        if not isinstance(model, str):
+            raise bad_request("'model' must be a string", param="model")
+        if model != served_model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{served_model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+    return body
 
 
 def unknown_fields(body: dict, known: set[str]) -> list[str]:
@@ -164,9 +185,10 @@ def _response_format(fmt: Any) -> tuple[str, str] | None:
     )
 
 
-def structured_spec(body: dict) -> tuple[str, str] | None:
+def structured_spec(body: dict) -> tuple[tuple[str, str] | None, str]:
     """The one structured-output constraint a request asks for (OpenAI response_format, vLLM's
-    guided_* fields, or vLLM's structured_outputs object); two at once is a 400."""
+    guided_* fields, or vLLM's structured_outputs object) and the field that asked; two at once
+    is a 400."""
     specs: list[tuple[str, tuple[str, str] | None]] = []
     if body.get("response_format") is not None:
         specs.append(("response_format", _response_format(body["response_format"])))
@@ -201,4 +223,4 @@ def structured_spec(body: dict) -> tuple[str, str] | None:
             f"only one structured output constraint per request, got {[p for p, _ in real]}",
             real[1][0],
         )
-    return real[0][1] if real else None
+    return (real[0][1], real[0][0]) if real else (None, "response_format")

@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from router import request_fields as rf
 from router.errors import APIError, bad_request
 
 _PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
@@ -136,23 +137,7 @@ class _UtilityRoutes:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
-        if not isinstance(body, dict):
-            raise bad_request(
-                f"request body must be a JSON object, got {type(body).__name__}",
-                code="invalid_json",
-            )
-        model = body.get("model")
-        if model is not None:
-            if not isinstance(model, str):
-                raise bad_request("'model' must be a string", param="model")
-            if model != self.served_model_name:
-                raise APIError(
-                    404,
-                    f"The model `{model}` does not exist; this server serves "
-                    f"`{self.served_model_name}`.",
-                    param="model",
-                    code="model_not_found",
-                )
+        rf.check_body_and_model(body, self.served_model_name)
         return body
 
 

@@ -28,7 +28,13 @@ def _hf(path: str):
     )
 
 
-@pytest.fixture(scope="module", params=[(a, m) for a in ARCHS for m in MODES])
+# Every architecture disaggregated; colocated on two (the engine-level test in
+# tests/engine/test_logprobs_and_choices.py runs all four colocated; tests/interop and
+# test_serve_parity serve llama in every mode).
+CASES = [(a, "1p1d") for a in ARCHS] + [("qwen2", "colocated"), ("qwen3", "colocated")]
+
+
+@pytest.fixture(scope="module", params=CASES)
 def served(request, start_serve, make_tiny_model):
     arch, mode = request.param
     model = make_tiny_model(arch)

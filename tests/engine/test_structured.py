@@ -128,7 +128,7 @@ SCHEMAS = object_schemas(VALUES)
 
 
 @settings(
-    max_examples=40,
+    max_examples=100,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
