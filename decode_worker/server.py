@@ -159,7 +159,7 @@ class DecodeServer(EngineServer):
             self.aborted.discard(rid)
             self.remote.pop(rid, None)
             self.engine.abort(rid)  # the READ is over: the blocks can be reused
-            self.reply_to.pop(rid, None)
+            self.forget(rid)
             return
         self._fallback(rid, f"KV transfer from {msg.prefill_worker_id} failed: {reason}")
 
@@ -176,7 +176,7 @@ class DecodeServer(EngineServer):
     def _fail(self, rid: str, why: str) -> None:
         msg = self.remote.pop(rid)
         self.engine.abort(rid)
-        self.reply_to.pop(rid, None)
+        self.forget(rid)
         self.send_error(msg.reply_to, rid, why)
 
     def _release_on_sender(self, msg: KVReady) -> None:
@@ -200,7 +200,7 @@ class DecodeServer(EngineServer):
         if msg is not None and request_id in self.reading:
             self.aborted.add(request_id)
             self.agent.abort(request_id)  # blocks are freed on the ReadFailed that follows
-            self.reply_to.pop(request_id, None)
+            self.forget(request_id)
             self.num_aborts += 1
             return
         if msg is not None:  # queued in the engine: no blocks, no READ

@@ -180,8 +180,7 @@ class EngineServer:
         request may have finished already)."""
         if self.engine.abort(request_id):
             self.num_aborts += 1
-        self.reply_to.pop(request_id, None)
-        self.open_choices.pop(request_id, None)
+        self.forget(request_id)
 
     # -- output ------------------------------------------------------------------------------
     def publish(self, outputs: list[TokenOutput]) -> None:
@@ -211,9 +210,13 @@ class EngineServer:
             prompt_logprobs=out.prompt_logprobs,
         )
 
-    def finished(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
+        """Stop streaming `request_id` from here (it finished, failed, or went elsewhere)."""
         self.reply_to.pop(request_id, None)
         self.open_choices.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        self.forget(request_id)
         self.engine.pop_finished(request_id)
 
     def send_error(self, reply_to: str, request_id: str, message: str) -> None:

@@ -31,6 +31,7 @@ from engine.outputs import TokenOutput
 from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
+from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence, choice_key
@@ -288,12 +289,10 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def _skip_first_draw(self, seq: Sequence) -> None:
-        """A seeded sampled request's generator made one draw on the prefill worker (its first
-        token): make the same draw here, so the rest of its tokens are the ones a colocated
-        run of the same seed gives (the sampler draws one multinomial over the vocabulary per
-        token)."""
+        """A seeded sampled request's generator drew its first token on the prefill worker:
+        make the same draw here, so the rest equal a colocated run of the same seed."""
         if seq.generator is not None and not seq.sampling.greedy:
-            torch.multinomial(torch.ones(self.model_config.vocab_size), 1, generator=seq.generator)
+            skip_draw(seq.generator, self.model_config.vocab_size)
 
     def commit_remote(self, request_id: str) -> list[TokenOutput]:
         """The peer's KV has landed: join the batch (every choice, forked from one copy of the

@@ -91,16 +91,16 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(plan)
         with forward_context(meta):
             hidden = self.model(input_ids, positions, self.cache, self.backend)
-        for i, s in enumerate(plan.scheduled):
-            if s.seq.sampling.prompt_logprobs is not None:
-                self._score_prompt(s, hidden[meta.query_start[i] : meta.query_start[i + 1]])
         rows: list[int] = []
         samplers: list[Sequence] = []
         for i, s in enumerate(plan.scheduled):
+            last = meta.query_start[i + 1]
+            if s.seq.sampling.prompt_logprobs is not None:
+                self._score_prompt(s, hidden[meta.query_start[i] : last])
             if s.samples:
-                for seq in (s.seq, *s.seq.forks):
-                    rows.append(meta.query_start[i + 1] - 1)
-                    samplers.append(seq)
+                group = [s.seq, *s.seq.forks] if s.seq.forks else [s.seq]
+                rows += [last - 1] * len(group)
+                samplers += group
         if not rows:
             return [], [], []
         if len(rows) < hidden.shape[0] or len(rows) > len(plan.scheduled):

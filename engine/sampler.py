@@ -35,6 +35,13 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
+def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
+    """Advance `generator` exactly as one sampled token does (one multinomial over the
+    vocabulary, as `sample` draws): a request continued elsewhere after a token drawn on
+    another worker keeps the stream of draws a single worker would have made."""
+    torch.multinomial(torch.ones(vocab_size), 1, generator=generator)
+
+
 def token_logprobs(logprobs_row: torch.Tensor, token: int, k: int) -> tuple:
     """(logprob of `token`, its rank (1 = most likely), [(id, logprob)] of the top k)."""
     lp = logprobs_row[token]
@@ -57,9 +64,11 @@ def sample(
     want = [i for i, s in enumerate(seqs) if s.sampling.logprobs is not None]
     raw = logits[want].float().log_softmax(-1).cpu() if want else None
     apply_logits_processors(logits, seqs, eos_token_ids)
-    for row, seq in enumerate(seqs):
-        if seq.grammar is not None:
-            seq.grammar.apply_mask(logits[row])
+    matchers = [s.grammar for s in seqs]
+    if any(m is not None for m in matchers):
+        from engine.structured import apply_masks  # llguidance: only for structured requests
+
+        apply_masks(logits, matchers)
     greedy = logits.argmax(dim=-1).tolist()
     tokens = []
     for row, seq in enumerate(seqs):

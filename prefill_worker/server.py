@@ -99,12 +99,12 @@ class PrefillServer(EngineServer):
     def after_step(self) -> None:
         # The first tokens are out (publish ran before this hook); now the hand-offs.
         for endpoint, ready in self.outbox:
-            self.reply_to.pop(ready.request_id, None)  # the decode worker streams the rest
+            self.forget(ready.request_id)  # the decode worker streams the rest
             self.replies.send(endpoint, ready)
             self.num_handoffs += 1
         self.outbox.clear()
         for req, why in self.failed_handoffs:
-            self.reply_to.pop(req.request_id, None)
+            self.forget(req.request_id)
             self.send_error(req.reply_to, req.request_id, why)
         self.failed_handoffs.clear()
 

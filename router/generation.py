@@ -51,7 +51,8 @@ class Piece:
 class ChoiceState:
     """One choice's stream: in-order delivery, detokenization, its own stop and length."""
 
-    def __init__(self, parsed: ParsedRequest, tokenizer: Any) -> None:
+    def __init__(self, index: int, parsed: ParsedRequest, tokenizer: Any) -> None:
+        self.index = index
         self.reorder = TokenReorderBuffer()
         self.detok = IncrementalDetokenizer(
             tokenizer, parsed.stop, parsed.include_stop_str, parsed.skip_special_tokens
@@ -88,7 +89,7 @@ class Generation:
         self.num_tokens = 0  # over every choice
         self.num_cached_tokens = 0  # prompt tokens the prefix cache served (prefill worker)
         self._deadline = arrival + ctx.config.request_timeout_s
-        self.choices = [ChoiceState(parsed, ctx.tokenizer) for _ in range(parsed.sampling.n)]
+        self.choices = [ChoiceState(i, parsed, ctx.tokenizer) for i in range(parsed.sampling.n)]
         self._workers_done = False  # True once no worker can still be running the request
         self._first_at: float | None = None
         self._last_at: float | None = None
@@ -196,7 +197,7 @@ class Generation:
             # Remote: the other worker may still hold the request, so it still gets an abort.
             self._workers_done = plan.path == LOCAL
             raise self._worker_failure(d)
-        index = self.choices.index(choice)
+        index = choice.index
         if choice.done:  # stopped here by a stop string: later tokens are dropped
             return Piece("", 0, None, index)
         if d.num_cached_tokens:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from router import answers, responses
@@ -49,31 +50,23 @@ class RequestRun:
     # ------------------------------------------------------------------ whole answers
 
     async def results(self) -> list[ChoiceResult]:
-        per_prompt = await asyncio.gather(*(self._collect(g) for g in self.generations))
+        """Every choice of every prompt, whole (gathered from the same merged stream the
+        streaming answer reads, so a client that goes away aborts both the same way)."""
+        n = self.parsed.sampling.n
+        per_prompt = [[ChoiceResult(i) for i in range(n)] for _ in self.generations]
+        async with contextlib.aclosing(self.pieces()) as pieces:
+            async for p, piece in pieces:
+                _add(per_prompt[p][piece.choice], piece)
         out: list[ChoiceResult] = []
-        for p, results in enumerate(per_prompt):
-            if self.parsed.sampling.n > self.parsed.n:
+        for p, (results, generation) in enumerate(zip(per_prompt, self.generations, strict=True)):
+            for r, state in zip(results, generation.choices, strict=True):
+                r.cumulative_logprob = state.cumulative_logprob
+            if n > self.parsed.n:
                 results = answers.best_of(results, self.parsed.n)
             for r in results:
                 r.index += p * self.parsed.n
             out += results
         return out
-
-    async def _collect(self, generation: Generation) -> list[ChoiceResult]:
-        results = [ChoiceResult(i) for i in range(generation.parsed.sampling.n)]
-        async with contextlib.aclosing(generation.pieces()) as pieces:
-            async for piece in pieces:
-                r = results[piece.choice]
-                r.text += piece.text
-                r.finish_reason = piece.finish_reason or r.finish_reason
-                r.token_ids += piece.token_ids
-                if piece.logprobs:
-                    r.entries += piece.logprobs
-                if piece.prompt_logprobs is not None:
-                    r.prompt_entries = piece.prompt_logprobs
-        for r, state in zip(results, generation.choices, strict=True):
-            r.cumulative_logprob = state.cumulative_logprob
-        return results
 
     def choice_body(self, r: ChoiceResult, prompt_ids: list[int]) -> dict[str, Any]:
         parsed = self.parsed
@@ -126,19 +119,30 @@ class RequestRun:
     # ------------------------------------------------------------------ streams
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
-        """(prompt index, piece) from every generation as they come; closing this closes them
-        all (which aborts their requests on the workers)."""
+        """(prompt index, piece) from every generation as they come. Closing this closes them
+        all, which aborts their requests on the workers. One prompt is read in the caller's
+        task; a batch is read by one task per prompt, each of which also stops on its own at
+        its next piece once this is closed (Python 3.11's wait_for can swallow a
+        cancellation that lands as a token arrives)."""
+        if len(self.generations) == 1:
+            async with contextlib.aclosing(self.generations[0].pieces()) as pieces:
+                async for piece in pieces:
+                    yield 0, piece
+            return
         queue: asyncio.Queue = asyncio.Queue()
+        closed = asyncio.Event()
 
         async def pump(p: int, generation: Generation) -> None:
             try:
                 async with contextlib.aclosing(generation.pieces()) as pieces:
                     async for piece in pieces:
-                        await queue.put((p, piece))
+                        if closed.is_set():
+                            return
+                        queue.put_nowait((p, piece))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
-                await queue.put(e)
+                queue.put_nowait(e)
                 return
-            await queue.put(_END)
+            queue.put_nowait(_END)
 
         tasks = [asyncio.create_task(pump(p, g)) for p, g in enumerate(self.generations)]
         try:
@@ -152,15 +156,24 @@ class RequestRun:
                 else:
                     yield item
         finally:
+            closed.set()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _add(r: ChoiceResult, piece: Piece) -> None:
+    r.text += piece.text
+    r.finish_reason = piece.finish_reason or r.finish_reason
+    r.token_ids += piece.token_ids
+    if piece.logprobs:
+        r.entries += piece.logprobs
+    if piece.prompt_logprobs is not None:
+        r.prompt_entries = piece.prompt_logprobs
+
+
 def _for_prompt(parsed: ParsedRequest, prompt_ids: list[int]) -> ParsedRequest:
     """The request as one prompt's generation sees it."""
-    from dataclasses import replace
-
     return replace(parsed, prompt_ids=prompt_ids, prompts=[prompt_ids])
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from e2e.conftest import ServeProcess
+from e2e.conftest import start_serve  # noqa: F401 - the fixture, shared with tests/e2e
 
 from .reference import Reference
 
@@ -32,15 +32,10 @@ def reference(interop_model) -> Reference:
 
 
 @pytest.fixture(scope="module")
-def server(interop_model, tmp_path_factory):
+def server(interop_model, start_serve):  # noqa: F811 - the imported fixture
     """One `tandem serve` for the module; it must shut down cleanly (exit 0, nothing left)."""
-    sp = ServeProcess(interop_model, tmp_path_factory.mktemp("serve"), *SERVE_FLAGS)
-    try:
+    with start_serve(interop_model, *SERVE_FLAGS) as sp:
         yield sp
-    finally:
-        code = sp.stop()
-    assert code == 0, f"tandem serve exited with {code}:\n{sp.log_path.read_text()[-3000:]}"
-    assert sp.leftovers() == [], "tandem serve left processes behind"
 
 
 @pytest.fixture(scope="module")

@@ -273,6 +273,30 @@ def test_client_disconnect_aborts(make_router):
     assert metric_value(metrics, "tandem_requests_total", 'status="cancelled"') == 2
 
 
+def test_client_disconnect_aborts_every_prompt_of_a_batch(make_router):
+    """A completions batch runs one request per prompt, each read by its own task: a client
+    that hangs up must abort all of them, streamed or not."""
+    dec = FakeWorker("d0", "decode", delay_s=0.05)
+    pre = FakeWorker("p0", "prefill", partner=dec)
+    h = make_router(workers=[pre, dec], disagg_threshold=4)
+
+    async def go(stream: bool) -> None:
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": [PROMPT, PROMPT + " again"], "max_tokens": 200, "stream": stream}
+            req = s.post(h.base_url + "/v1/completions", json=body)
+            if stream:
+                async with req as r:
+                    await r.content.readline()
+            else:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(req, timeout=0.5)
+
+    for stream in (True, False):
+        before = len(dec.aborts)
+        asyncio.run(go(stream))
+        assert wait_for(lambda b=before: len(dec.aborts) >= b + 2), (stream, dec.aborts)
+
+
 def test_malformed_frames_are_dropped(make_router, model_info):
     h = make_router()
     ctx = zmq.Context()

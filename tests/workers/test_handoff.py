@@ -79,15 +79,19 @@ class Pair:
         return {r: [v[i] for i in sorted(v)] for r, v in out.items()}
 
     def wait_free(self, timeout=15.0):
+        """Every block back, and neither worker still tracking a request it no longer
+        streams (reply endpoints and open choices are per-request state that must not leak)."""
         deadline = time.time() + timeout
         pb, db = self.p.engine.block_manager, self.d.engine.block_manager
+        tracked = lambda: [s.reply_to or s.open_choices for s in (self.p, self.d)]  # noqa: E731
         while time.time() < deadline:
             if pb.num_free_blocks == pb.num_blocks and db.num_free_blocks == db.num_blocks:
-                return
+                if not any(tracked()):
+                    return
             time.sleep(0.05)
         raise AssertionError(
             f"blocks held: prefill {pb.num_blocks - pb.num_free_blocks}, "
-            f"decode {db.num_blocks - db.num_free_blocks}"
+            f"decode {db.num_blocks - db.num_free_blocks}; still tracked: {tracked()}"
         )
 
     def close(self):
