@@ -5,6 +5,9 @@ from __future__ import annotations
 from engine.protocol import WorkerLoad
 from router.directory import WorkerInfo
 
+# WorkerLoad's own fields; the controller's load rows carry more (the incarnation).
+_LOAD_FIELDS = frozenset(WorkerLoad.__dataclass_fields__)
+
 
 class ControllerDirectory:
     def __init__(self, controller):
@@ -17,7 +20,17 @@ class ControllerDirectory:
                 worker_id=r["worker_id"],
                 role=r["role"],
                 request_endpoint=r["request_endpoint"],
-                load=WorkerLoad(**r["load"]),
+                load=_load(r),
+                incarnation=r.get("incarnation", ""),
+                state=r.get("state", "ready"),
             )
             for r in rows
         ]
+
+
+def _load(row: dict) -> WorkerLoad:
+    """The worker's last load report (a DOWN worker that never reported: an empty one)."""
+    load = row.get("load")
+    if load is None:
+        return WorkerLoad(row["worker_id"], row["role"], 0, 0, 0, 0, 0)
+    return WorkerLoad(**{k: v for k, v in load.items() if k in _LOAD_FIELDS})

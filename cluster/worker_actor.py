@@ -3,11 +3,20 @@
 Ray only places, restarts and health-checks it; requests and tokens travel on the worker's
 own ZMQ sockets and KV on NIXL. `role` picks the loop: "prefill" (PrefillServer), "decode"
 (DecodeServer) or "colocated" (a plain EngineServer doing prefill and decode).
+
+Each construction is one incarnation (a fresh id): Ray re-runs the constructor when it
+restarts a dead actor, so the controller tells a replacement from the worker it replaces by
+`incarnation` in `info()`, `load()` and `watch()`. `drain()` is the last call of a worker
+taken out of service: it returns once nothing is left in it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
+import uuid
 from dataclasses import asdict
 
 
@@ -23,6 +32,8 @@ class WorkerActor:
         on_transfer_failure: str = "recompute",
         log_level: str = "WARNING",
         max_frame_bytes: int = 16 << 20,
+        faults: dict | None = None,
+        read_timeout_s: float = 30.0,
     ):
         import torch
 
@@ -38,20 +49,20 @@ class WorkerActor:
 
         engine = LLMEngine(EngineConfig(**engine_kwargs, role=check_role(role)))
         self.worker_id, self.role = worker_id, role
+        self.incarnation = uuid.uuid4().hex
+        self._stopped = threading.Event()
         # The layout the weights got (the setting resolved for this device), else the dtype.
         quant = engine.quantization
         self.weights = quant if quant != "none" else engine.config.dtype
         if role == PREFILL:
-            from kv_transfer.agent import KVTransferAgent
             from prefill_worker.server import PrefillServer
 
-            agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
+            agent = _agent(worker_id, engine, bind_host, (lease_seconds, read_timeout_s), faults)
             self.server = PrefillServer(worker_id, engine, agent, bind_host, max_frame_bytes)
         elif role == DECODE:
             from decode_worker.server import DecodeServer
-            from kv_transfer.agent import KVTransferAgent
 
-            agent = KVTransferAgent(worker_id, engine.cache, bind_host, lease_seconds)
+            agent = _agent(worker_id, engine, bind_host, (lease_seconds, read_timeout_s), faults)
             self.server = DecodeServer(
                 worker_id, engine, agent, bind_host, on_transfer_failure, max_frame_bytes
             )
@@ -59,6 +70,8 @@ class WorkerActor:
             from engine.engine_server import EngineServer
 
             self.server = EngineServer(worker_id, role, engine, bind_host, max_frame_bytes)
+        # Testing only: every engine step takes this much longer (long, killable streams).
+        self.server.step_delay_s = float((faults or {}).get("step_delay_s", 0.0))
         # Everything allocated so far (model, tokenizer, imported modules) lives as long as
         # the worker: move it out of the collector's view, so that a full collection during
         # serving scans only what serving allocates (a long pause there is a TPOT outlier).
@@ -73,14 +86,63 @@ class WorkerActor:
         return {
             "worker_id": self.worker_id,
             "role": self.role,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
             "request_endpoint": self.server.endpoint,
             "kv_endpoint": agent.endpoint if agent is not None else "",
+            "kv_name": agent.name if agent is not None else "",
+            "kv_instance_id": agent.instance_id if agent is not None else "",
             "weights": self.weights,  # the resolved quantization, or the dtype without one
         }
 
     def load(self) -> dict:
-        return asdict(self.server.latest_load())
+        return {**asdict(self.server.latest_load()), "incarnation": self.incarnation}
+
+    def watch(self, timeout_s: float) -> str:
+        """Returns after `timeout_s` (or at stop) while the process lives; the caller learns
+        of its death from the call failing (see cluster/controller.py)."""
+        self._stopped.wait(timeout_s)
+        return self.incarnation
+
+    def set_peers(self, peers: dict[str, str]) -> bool:
+        """The KV agents this worker may exchange blocks with: name -> current instance id."""
+        agent = getattr(self.server, "agent", None)
+        if agent is not None:
+            agent.set_allowed_peers(dict(peers))
+        return True
+
+    def drain(self, timeout_s: float, settle_s: float) -> dict:
+        """Wait until this worker holds nothing (no request, no lease, no READ) for `settle_s`
+        in a row, or `timeout_s` passes; then stop its loop. Returns whether it got idle."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        idle_since: float | None = None
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            if self.server.is_idle():
+                idle_since = idle_since or now
+                if now - idle_since >= settle_s:
+                    break
+            else:
+                idle_since = None
+            time.sleep(0.05)
+        idle = self.server.is_idle()
+        self.stop()
+        return {"idle": idle, "seconds": round(time.monotonic() - t0, 3)}
 
     def stop(self) -> bool:
-        self.server.stop()
+        if not self._stopped.is_set():
+            self._stopped.set()
+            self.server.stop()
         return True
+
+
+def _agent(worker_id: str, engine, bind_host: str, timeouts: tuple, faults: dict | None):
+    """The worker's KV agent; `timeouts` is (lease_seconds, read_timeout_s)."""
+    from kv_transfer.agent import KVTransferAgent
+    from kv_transfer.faults import FaultPlan
+
+    kv_faults = {k: v for k, v in (faults or {}).items() if k != "step_delay_s"}
+    plan = FaultPlan.from_dict(kv_faults) if kv_faults else None
+    lease_s, read_timeout_s = timeouts
+    return KVTransferAgent(worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan)

@@ -6,7 +6,8 @@ router's conditional disaggregation).
 Remote prefill (the default path), from this side. The engine's scheduler owns admission (one
 policy, one block pool, engine/scheduler.py); this server is the engine's KV connector
 (engine/kv_connector.py) and moves the bytes:
-  KVReady arrives -> `LLMEngine.add_remote_request`: queued with local requests, FIFO, until the
+  KVReady arrives -> `LLMEngine.add_remote_request` (and a `handoff` TokenMessage tells the
+  router this worker owns the request now): queued with local requests, FIFO, until the
   scheduler has a sequence slot and the prompt's blocks (natural backpressure: nothing is
   admitted that cannot be held)
   -> `on_remote_admitted(rid, blocks)`: handshake with the sender once per pair, a NIXL READ
@@ -36,9 +37,10 @@ from collections import OrderedDict
 from engine.engine_server import EngineServer
 from engine.kv_connector import Handoff
 from engine.llm_engine import LLMEngine
+from engine.protocol import TokenMessage
 from engine.roles import DECODE
 from kv_transfer.agent import KVTransferAgent
-from kv_transfer.errors import HandshakeError, TransferError
+from kv_transfer.errors import HandshakeError, PeerNotAllowedError, TransferError
 from kv_transfer.events import ReadDone, ReadFailed
 from kv_transfer.messages import KVReady
 
@@ -99,6 +101,10 @@ class DecodeServer(EngineServer):
         self.remote[rid] = msg
         self.reply_to[rid] = msg.reply_to
         self.open_choices[rid] = len(msg.choices) if msg.choices else 1
+        # Tell the router this worker owns the request now (see router/pool.py).
+        self.replies.send(
+            msg.reply_to, TokenMessage(rid, 0, [], worker_id=self.worker_id, handoff=True)
+        )
 
     def add_generate(self, msg) -> None:
         self.num_local += 1
@@ -115,6 +121,9 @@ class DecodeServer(EngineServer):
             return
         try:
             self.agent.connect(msg.sender)
+        except PeerNotAllowedError as e:  # a stale incarnation or no registered peer
+            self._fallback(request_id, str(e))
+            return
         except HandshakeError as e:  # incompatible peer: recomputing would hide a misconfig
             self._fail(request_id, str(e))
             return
@@ -123,7 +132,12 @@ class DecodeServer(EngineServer):
             return
         try:
             self.agent.start_read(
-                request_id, msg.sender.name, msg.block_ids, block_ids, msg.lease_deadline
+                request_id,
+                msg.sender.name,
+                msg.block_ids,
+                block_ids,
+                msg.lease_deadline,
+                sender_instance=msg.sender.instance_id,
             )
         except TransferError as e:
             self._release_on_sender(msg)  # no READ will come: the sender need not wait
@@ -134,6 +148,9 @@ class DecodeServer(EngineServer):
     # -- transfer events ------------------------------------------------------------------
     def has_pending_work(self) -> bool:
         return bool(self.reading)
+
+    def holds_nothing(self) -> bool:
+        return not self.remote and not self.reading and not self.aborted
 
     def before_step(self) -> None:
         for ev in self.agent.poll():
@@ -226,6 +243,7 @@ class DecodeServer(EngineServer):
             "transfer_failures": st.failures,
             "expired_leases": st.expired_leases,
             "transfer_gbps": st.gbps,
+            "refused_peers": st.refused_peers,
         }
 
     def close(self) -> None:

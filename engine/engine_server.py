@@ -4,8 +4,9 @@ Lifecycle of one request: a `GenerateRequest` frame arrives on the PULL socket -
 added to the engine (a bad one is answered with an "error" TokenMessage at once) -> each engine
 step's new tokens go out as `TokenMessage`s to the request's `reply_to` PUSH socket -> the last
 one carries `finish_reason` and the request is forgotten. `AbortRequest` drops it wherever it
-is. Frames that are not valid msgpack, too large, or of an unknown type are logged and dropped;
-the loop keeps serving. Subclasses (the prefill and decode workers) add message types and
+is, and so does the connection to its router dropping (the router died or restarted). Frames
+that are not valid msgpack, too large, or of an unknown type are logged and dropped; the loop
+keeps serving. Subclasses (the prefill and decode workers) add message types and
 per-iteration hooks for the KV hand-off.
 """
 
@@ -16,6 +17,7 @@ import threading
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
@@ -26,11 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class ReplySockets:
-    """One PUSH socket per destination endpoint, created on first use."""
+    """One PUSH socket per destination endpoint, created on first use, each with a monitor
+    that reports the peer's connection dropping (a router that died or restarted)."""
 
     def __init__(self, ctx: zmq.Context):
         self.ctx = ctx
         self._socks: dict[str, zmq.Socket] = {}
+        self._monitors: dict[str, zmq.Socket] = {}
 
     def send(self, endpoint: str, msg) -> None:
         sock = self._socks.get(endpoint)
@@ -38,14 +42,28 @@ class ReplySockets:
             sock = self.ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)
             sock.setsockopt(zmq.SNDHWM, 100_000)
+            self._monitors[endpoint] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             sock.connect(endpoint)
             self._socks[endpoint] = sock
         sock.send(encode(msg))
 
+    def take_disconnected(self) -> list[str]:
+        """Endpoints whose connection dropped since the last call (non-blocking)."""
+        gone = []
+        for endpoint, mon in self._monitors.items():
+            while mon.poll(0):
+                event = recv_monitor_message(mon)
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    gone.append(endpoint)
+        return gone
+
     def close(self) -> None:
-        for s in self._socks.values():
+        for endpoint, s in self._socks.items():
+            s.disable_monitor()
+            self._monitors[endpoint].close(linger=0)
             s.close(linger=200)
         self._socks.clear()
+        self._monitors.clear()
 
 
 class EngineServer:
@@ -81,6 +99,7 @@ class EngineServer:
         self._poller.register(self.requests, zmq.POLLIN)
         self._load_time = 0.0
         self._latest_load: WorkerLoad | None = None
+        self.step_delay_s = 0.0  # fault injection (tests): sleep this long after each step
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -125,11 +144,15 @@ class EngineServer:
             steps = self.engine.num_steps
             self.publish(self.engine.step())
             self._stalled = self.engine.num_steps == steps
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
         self.after_step()
         now = time.monotonic()
         if now - self._load_time > 0.05:
             self._load_time = now
             self._latest_load = self.load()
+            for endpoint in self.replies.take_disconnected():
+                self.drop_requests_of(endpoint)
 
     def latest_load(self) -> WorkerLoad:
         """The last load report built by the loop thread (safe to read from other threads)."""
@@ -232,14 +255,34 @@ class EngineServer:
             ),
         )
 
+    def drop_requests_of(self, endpoint: str) -> None:
+        """The router at `endpoint` went away: nobody reads these requests' tokens any more,
+        so abort them (their KV blocks come back now, not after their last token). A router
+        that restarts is a new router: it would drop their tokens as unknown anyway."""
+        orphans = [rid for rid, to in self.reply_to.items() if to == endpoint]
+        if orphans:
+            log.warning(
+                "%s: %s went away; aborting its %d requests", self.worker_id, endpoint, len(orphans)
+            )
+        for rid in orphans:
+            self.abort(rid)
+
     def fail_all(self, message: str) -> None:
         for rid, reply_to in list(self.reply_to.items()):
             self.send_error(reply_to, rid, message)
             self.abort(rid)
 
+    def is_idle(self) -> bool:
+        """Nothing in flight: no request in the engine or streaming from here, and nothing a
+        subclass holds (leases, READs). Read from another thread: a moment's view."""
+        return not self.engine.has_unfinished() and not self.reply_to and self.holds_nothing()
+
     # -- hooks for subclasses ----------------------------------------------------------------
     def has_pending_work(self) -> bool:
         return False
+
+    def holds_nothing(self) -> bool:
+        return True
 
     def before_step(self) -> None:
         pass

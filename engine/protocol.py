@@ -103,10 +103,17 @@ class TokenMessage:
     choice: int = 0  # which of the request's n choices
     logprobs: list | None = None  # one entry per token in token_ids, when asked
     prompt_logprobs: list | None = None  # with index 0 of choice 0, when asked (first is None)
+    # From a decode worker, no tokens: "I took this request over from its prefill worker"
+    # (its KV hand-off is queued here; a lost prefill worker is now this worker's business).
+    handoff: bool = False
 
     def __post_init__(self) -> None:
         _check_rid(self.request_id)
         _check_ids("token_ids", self.token_ids)
+        if not isinstance(self.handoff, bool):
+            raise ValueError("handoff must be a bool")
+        if self.handoff and (self.token_ids or self.finish_reason is not None):
+            raise ValueError("a handoff message carries no tokens and no finish_reason")
         for name in ("index", "choice", "num_cached_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:

@@ -14,6 +14,15 @@ Lifecycle of one request, sender (prefill worker) and receiver (decode worker):
                                                   (only once the READ landed AND the sender
                                                    confirmed it held the blocks throughout)
 
+Peers and incarnations: by default an agent exchanges KV with any compatible peer. Given the
+registry's map (`set_allowed_peers({name: instance_id})`, from any thread, again whenever the
+registry changes) it refuses every other (name, instance) on both ends: the sender answers
+such a Hello with a refusal and registers no reader; the receiver's `connect` refuses such
+metadata (StalePeerError / UnknownPeerError) without dialling, so the block ids of a KVReady
+from an old incarnation are never read. A restarted worker keeps its name and gets a new
+instance id: the leases its old instance pinned are freed at once (Released peer_restarted),
+since Ray restarts an actor only after its process died; see sender.py and peers.py.
+
 Failure paths: the lease runs out (sender: Released lease_expired / peer_failed when the reader
 had pinned it), abort on either side (Abort on the side channel; Released/ReadFailed aborted),
 a dead or hung sender (NIXL error, or no RenewReply for peer_timeout_s: ReadFailed), a READ
@@ -28,6 +37,9 @@ The agent is a facade over four parts, each with the detailed lifecycle of its r
     side_channel.SideChannel  ZMQ ROUTER/DEALERs and the daemon thread that owns them:
                               handshake answer, frame validation, heartbeat, NIXL progress
     nixl.NixlEndpoint         registered memory, prepped descriptor lists, READs, notifs
+
+Fault injection (`faults=FaultPlan(...)`, faults.py) is decided once, here, at construction:
+an empty plan leaves every path as it is.
 
 Threads and locks: the worker thread calls the public methods, which this facade serializes
 under its API lock; the side-channel thread answers handshakes and renewals while the worker
@@ -51,6 +63,7 @@ from engine.kv_cache import KVCache
 from kv_transfer.compat import Compat
 from kv_transfer.errors import HandshakeError
 from kv_transfer.events import TransferEvent, TransferStats
+from kv_transfer.faults import FaultPlan
 from kv_transfer.messages import (
     MAX_SIDE_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -59,6 +72,7 @@ from kv_transfer.messages import (
     HelloReply,
 )
 from kv_transfer.nixl import NixlEndpoint
+from kv_transfer.peers import PeerPolicy
 from kv_transfer.receiver import Receiver, ReceiverConfig
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel
@@ -84,8 +98,10 @@ class KVTransferAgent:
         warmup: bool = True,
         advertise_host: str | None = None,
         progress_thread: bool = False,
+        faults: FaultPlan | dict | None = None,
     ):
         self.name = name
+        self.faults = FaultPlan.coerce(faults)  # validated before anything is started
         self.kv_cache = kv_cache
         self.spec = kv_cache.spec
         self.lease_seconds = float(lease_seconds)
@@ -127,7 +143,7 @@ class KVTransferAgent:
         )
         self.endpoint = self._channel.endpoint
         self._sender = LeaseTable(
-            self.lease_seconds, self.region.num_blocks, self.region.bytes_per_block
+            self.lease_seconds, self.region.num_blocks, self.region.bytes_per_block, self.name
         )
         config = ReceiverConfig(
             read_timeout_s=self.read_timeout_s,
@@ -145,9 +161,16 @@ class KVTransferAgent:
             dict(self._compat.fields),
             self.endpoint,
         )
-        self._receiver = Receiver(hello, self._compat, self.nixl, self._channel, config)
+        self._receiver = Receiver(
+            hello, self._compat, self.nixl, self._channel, config, self.faults
+        )
         self._channel.start(
-            self._compat, self._welcome(), self._sender, self._receiver, self.nixl.take_notifs
+            self._compat,
+            self._welcome(),
+            self._sender,
+            self._receiver,
+            self.nixl.take_notifs,
+            self.faults,
         )
 
     def _welcome(self) -> HelloReply:
@@ -184,6 +207,19 @@ class KVTransferAgent:
             num_blocks=self.region.num_blocks,
             mem_type=self.region.mem_type,
         )
+
+    def set_allowed_peers(self, peers: dict[str, str] | None) -> None:
+        """The agents this one may exchange KV with, name -> agent instance_id (the registry's
+        current incarnations); None allows any (the default). Thread-safe; call it again on
+        every registry change. Established peers and readers the map no longer allows are
+        dropped: a sender's reads fail (ReadFailed); a replaced reader's pinned leases are
+        released at once (Released peer_restarted), a removed one's at their normal expiry."""
+        policy = PeerPolicy(peers)  # validated and copied before anything changes
+        with self._api_lock:
+            self._check_open()
+            self._receiver.set_policy(policy)
+            self._sender.set_policy(policy)
+        self._channel.wake()
 
     def poll(self) -> list[TransferEvent]:
         """Advance transfers and return what finished; call it every worker-loop iteration."""
@@ -248,8 +284,10 @@ class KVTransferAgent:
 
     def connect(self, peer_metadata: AgentMetadata | dict) -> None:
         """Handshake with a sender once (idempotent per peer instance); raise HandshakeError
-        naming the differing fields when the layouts do not match. Nothing is transferred
-        to or from a peer that is refused."""
+        naming the differing fields when the layouts do not match, and its subclass
+        PeerNotAllowedError (UnknownPeerError / StalePeerError here, without dialling; the
+        base class when the sender's map refuses us) for a peer outside the allowed map.
+        Nothing is transferred to or from a peer that is refused."""
         try:
             md = AgentMetadata.coerce(peer_metadata)
         except (ValueError, TypeError) as e:
@@ -266,17 +304,26 @@ class KVTransferAgent:
         remote_block_ids: list[int],
         local_block_ids: list[int],
         lease_deadline: float,
+        *,
+        sender_instance: str | None = None,
     ) -> None:
         """Start pulling `remote_block_ids` of `peer_name` into `local_block_ids` (allocated by
         the caller). The outcome arrives from poll() as ReadDone or ReadFailed; a lease already
         known to have expired never starts a READ (ReadFailed at the next poll).
+        `sender_instance` (the KVReady's `sender.instance_id`) makes sure the blocks are read
+        from the incarnation that holds them, not from a newer one of the same name.
 
-        Raises TransferError for a call that cannot be honoured at all (unknown peer, bad ids,
-        a request already in progress)."""
+        Raises TransferError for a call that cannot be honoured at all (unknown peer, another
+        instance than `sender_instance`, bad ids, a request already in progress)."""
         with self._api_lock:
             self._check_open()
             self._receiver.start_read(
-                request_id, peer_name, remote_block_ids, local_block_ids, lease_deadline
+                request_id,
+                peer_name,
+                remote_block_ids,
+                local_block_ids,
+                lease_deadline,
+                sender_instance,
             )
 
     def _check_open(self) -> None:

@@ -1,5 +1,6 @@
-"""Typed errors of the transfer layer (a refused handshake, a failed transfer), the compatibility
-field comparison their messages are built from, and the quiet cleanup step."""
+"""Typed errors of the transfer layer (a refused handshake, a peer outside the registry's allowed
+set, a failed transfer), the compatibility field comparison their messages are built from, and
+the quiet cleanup step."""
 
 from __future__ import annotations
 
@@ -25,6 +26,33 @@ class HandshakeError(KVTransferError):
         self.peer = peer
         self.fields = tuple(fields)
         super().__init__(f"handshake with {peer!r} refused: {message}")
+
+
+class PeerNotAllowedError(HandshakeError):
+    """A peer outside the registry's allowed set (`KVTransferAgent.set_allowed_peers`): KV is
+    never exchanged with it. Not a misconfiguration like a layout mismatch: the peer is gone or
+    not yet known, so a worker may recompute. The message names the peer and its instance and
+    nothing about any request, so it can be logged or returned as is."""
+
+    def __init__(self, peer: str, instance_id: str, message: str, fields: tuple[str, ...]):
+        self.instance_id = instance_id
+        self.reason = message  # without the "handshake ... refused" prefix: for a HelloReply
+        super().__init__(peer, message, fields)
+
+
+class UnknownPeerError(PeerNotAllowedError):
+    """The peer's name is not in the allowed set."""
+
+    def __init__(self, peer: str, instance_id: str, message: str):
+        super().__init__(peer, instance_id, message, ("name",))
+
+
+class StalePeerError(PeerNotAllowedError):
+    """The peer's name is allowed but under another instance: this one is an old incarnation
+    (a restarted worker keeps its name and gets a new instance id)."""
+
+    def __init__(self, peer: str, instance_id: str, message: str):
+        super().__init__(peer, instance_id, message, ("instance_id",))
 
 
 class TransferError(KVTransferError):

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-RELEASE_REASONS = ("read_done", "lease_expired", "aborted", "peer_failed")
+# peer_restarted: the reader that pinned the lease was replaced by a new incarnation of the
+# same name (its process is dead, so no READ of it can land): freed at once, not at expiry.
+RELEASE_REASONS = ("read_done", "lease_expired", "aborted", "peer_failed", "peer_restarted")
 
 
 @dataclass(slots=True, frozen=True)
@@ -56,6 +58,8 @@ class TransferStats:
     rejected_frames: int = 0  # side-channel frames refused as malformed / oversized
     ignored_notifs: int = 0  # late or unknown NIXL notifications that were dropped
     handshakes: int = 0
+    refused_peers: int = 0  # both: handshakes refused because the peer is not allowed
+    restarted_leases: int = 0  # sender: pinned leases freed at once, their reader restarted
 
     @property
     def gbps(self) -> float:

@@ -12,7 +12,8 @@ Lifecycle of one read (`TransferState`, only forward; FAILED is sticky):
                         lease deadline: DONE -> ReadDone
     anything else       FAILED -> ReadFailed, once the READ handle is released (cancelled)
 
-A read ends FAILED at the earliest of: NIXL reporting an error (a killed sender disconnects),
+A read ends FAILED at the earliest of: NIXL reporting an error (a killed sender disconnects;
+any other NIXL error also tells the sender to free its blocks once the handle is released),
 `peer_timeout_s` without an answer to a renewal (a hung sender), `read_timeout_s` after
 `start_read`, the sender reporting the lease expired or aborted, a lease known to have expired
 before a chunk could start (50 ms margin), or an abort. A sender marked down stays down until
@@ -23,6 +24,19 @@ ends, loads its NIXL metadata, preps its descriptor list once and warms the pair
 1-block READ; then the socket is handed to the side-channel thread. Renewals are the
 heartbeat: the side-channel thread calls `beat()` every heartbeat_s and sends what
 `take_outgoing()` returns, so a worker stuck in a forward pass keeps its leases.
+
+Allowed peers and incarnations (`set_policy`, see peers.py): with an allowed map, `connect`
+refuses metadata whose (name, instance id) is not the allowed one *before dialling*
+(`UnknownPeerError`, `StalePeerError`; counted in refused_peers), so a KVReady from an old
+incarnation of a restarted sender never leads to a READ of its block ids. A new map drops the
+senders it no longer allows: their reads fail (ReadFailed naming the peer), their NIXL state
+and socket are released. `start_read(..., sender_instance=...)` also refuses a read whose
+KVReady named another instance than the connected one. Without a map (standalone use) the
+last `connect` for a name wins: a different instance replaces the connected one.
+
+Fault injection (faults.py): the NIXL post/check/release calls are bound once, at
+construction, to `NixlEndpoint`'s own methods, or to `ReadFaults`' wrappers when a plan sets a
+receiver knob; never_read also turns renewals off.
 
 State is under `Receiver`'s own lock. NIXL calls (posting a chunk, which on CPU copies inside
 the call) are made without it, so renewals keep flowing during a READ; the READ handles
@@ -42,23 +56,25 @@ from typing import Any, Literal
 
 import zmq
 
-from engine.wire import WireError, decode, encode
+from engine.wire import encode
 from kv_transfer.compat import Compat
 from kv_transfer.descriptors import BlockRegion, check_block_ids, chunk
 from kv_transfer.errors import HandshakeError, TransferError, quietly
 from kv_transfer.events import ReadDone, ReadFailed, TransferEvent, TransferStats
+from kv_transfer.faults import FaultPlan, ReadFaults
+from kv_transfer.handshake import exchange_hello, peer_region, warm_up
 from kv_transfer.messages import (
     MAX_RIDS_PER_RENEW,
     Abort,
     AgentMetadata,
     ErrorReply,
     Hello,
-    HelloReply,
     ReadComplete,
     Renew,
     RenewReply,
 )
 from kv_transfer.nixl import NixlEndpoint
+from kv_transfer.peers import PeerPolicy
 from kv_transfer.side_channel import SideChannel
 from kv_transfer.state import TransferState, TransferStatus
 
@@ -125,6 +141,7 @@ class Receiver:
         nixl: NixlEndpoint,
         channel: SideChannel,
         config: ReceiverConfig,
+        faults: FaultPlan | None = None,
     ):
         self._hello = hello  # what we tell every sender at handshake
         self._compat = compat
@@ -139,12 +156,21 @@ class Receiver:
         self._outgoing: list[tuple[str, list[str] | Abort]] = []  # rids to renew, or an Abort
         self._events: list[TransferEvent] = []
         self._stats = TransferStats()
+        self._policy = PeerPolicy()
+        # Bound once: with no receiver fault these are NIXL's own calls, nothing in between.
+        ops = ReadFaults(faults, nixl) if faults is not None and faults.on_receiver else nixl
+        self._post, self._check, self._release_xfer = ops.transfer, ops.check, ops.release
+        self._renews = faults is None or not faults.never_read
 
     # ------------------------------------------------------------------ connect
 
     def connect(self, md: AgentMetadata) -> None:
         """Handshake with a sender once per instance; raise HandshakeError on a refusal."""
         with self._lock:
+            refusal = self._policy.refusal(self._hello.name, md.name, md.instance_id)
+            if refusal is not None:  # before dialling: a stale KVReady reaches no one
+                self._stats.refused_peers += 1
+                raise refusal
             old = self._peers.get(md.name)
             if old is not None and old.alive and old.instance_id == md.instance_id:
                 return
@@ -158,21 +184,17 @@ class Receiver:
         added: str | None = None
         dlist = None
         try:
-            reply = self._exchange_hello(sock, md)
-            # The reply carries the sender's region under BlockRegion's own field names.
-            region = BlockRegion(**{k: getattr(reply, k) for k in BlockRegion.__dataclass_fields__})
-            if (region.block_bytes, region.scale_block_bytes) != (
-                self._region.block_bytes,
-                self._region.scale_block_bytes,
-            ):
-                raise HandshakeError(md.name, "block byte sizes differ", ("block_bytes",))
+            reply = exchange_hello(
+                sock, self._hello, md, self._cfg.handshake_timeout_s, self._cfg.max_frame_bytes
+            )
+            region = peer_region(md.name, reply, self._region)
             added = self._nixl.add_peer(reply.nixl_metadata)
             if added != md.name:
                 raise HandshakeError(md.name, f"its NIXL metadata names {added!r}")
             dlist = self._nixl.prep_peer(md.name, region)
             peer = _PeerOut(md.name, md.instance_id, md.endpoint, sock, region, dlist)
             if self._cfg.warmup:
-                self._warm_up(peer)
+                warm_up(self._nixl, md.name, dlist, self._cfg.handshake_timeout_s)
         except BaseException:
             quietly(sock.close)
             if added is not None:
@@ -183,31 +205,14 @@ class Receiver:
             self._stats.handshakes += 1
         self._channel.adopt(sock, md.name)
 
-    def _exchange_hello(self, sock: zmq.Socket, md: AgentMetadata) -> HelloReply:
-        timeout_s = self._cfg.handshake_timeout_s
-        sock.connect(md.endpoint)
-        sock.send(encode(self._hello))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise HandshakeError(md.name, f"no answer from {md.endpoint} within {timeout_s}s")
-        try:
-            reply = decode(sock.recv(), self._cfg.max_frame_bytes, expect=HelloReply)
-        except WireError as e:
-            raise HandshakeError(md.name, f"malformed reply: {e}") from e
-        if not reply.ok:
-            raise HandshakeError(md.name, reply.error, tuple(reply.differing_fields))
-        if reply.name != md.name or reply.instance_id != md.instance_id:
-            raise HandshakeError(
-                md.name, f"{md.endpoint} is now {reply.name!r} (instance {reply.instance_id})"
-            )
-        return reply
-
-    def _warm_up(self, peer: _PeerOut) -> None:
-        try:
-            state = self._nixl.warm_up(peer.dlist, self._cfg.handshake_timeout_s)
-        except Exception as e:  # NIXL raises its own error classes
-            raise HandshakeError(peer.name, f"warm-up READ failed: {e}") from e
-        if state != "DONE":
-            raise HandshakeError(peer.name, f"warm-up READ ended {state}")
+    def set_policy(self, policy: PeerPolicy) -> None:
+        """A new allowed map: drop (fail the reads of) every sender it does not allow."""
+        with self._lock:
+            self._policy = policy
+            gone = [p for p in self._peers.values() if not policy.allows(p.name, p.instance_id)]
+        for peer in gone:
+            why = policy.refusal(self._hello.name, peer.name, peer.instance_id)
+            self._drop_peer(peer, why.reason if why is not None else "no longer allowed")
 
     # ------------------------------------------------------------------ reads
 
@@ -218,19 +223,14 @@ class Receiver:
         remote_block_ids: list[int],
         local_block_ids: list[int],
         lease_deadline: float,
+        sender_instance: str | None = None,
     ) -> None:
         """Queue the pinning renewal, then post the first chunk (see the module docstring)."""
         local = check_block_ids(request_id, local_block_ids, self._region.num_blocks)
         if not isinstance(lease_deadline, int | float) or not math.isfinite(lease_deadline):
             raise TransferError(request_id, "lease_deadline must be a finite unix time")
         with self._lock:
-            if request_id in self._reads:
-                raise TransferError(request_id, "a read of this request is in progress")
-            peer = self._peers.get(peer_name)
-            if peer is None:
-                raise TransferError(
-                    request_id, f"not connected to {peer_name!r}: connect() to it first"
-                )
+            peer = self._peer_for(request_id, peer_name, sender_instance)
             remote = check_block_ids(request_id, remote_block_ids, peer.region.num_blocks)
             if len(remote) != len(local):
                 raise TransferError(
@@ -258,9 +258,26 @@ class Receiver:
                 read, peer, now, "the lease had expired before the READ could start"
             ):
                 return
-            self._outgoing.append((peer_name, [request_id]))
+            if self._renews:  # off only under the never_read fault
+                self._outgoing.append((peer_name, [request_id]))
         self._channel.wake()  # the renewal goes out while the first chunk is being posted
         self._post_next_chunk(read)
+
+    def _peer_for(self, request_id: str, name: str, instance: str | None) -> _PeerOut:
+        """The connected sender a new read may use (caller holds _lock), else TransferError."""
+        if request_id in self._reads:
+            raise TransferError(request_id, "a read of this request is in progress")
+        peer = self._peers.get(name)
+        if peer is None:
+            raise TransferError(request_id, f"not connected to {name!r}: connect() to it first")
+        if instance is not None and instance != peer.instance_id:
+            # Its block ids name memory of an old (or other) incarnation: never read them.
+            raise TransferError(
+                request_id,
+                f"its KV is on instance {instance} of {name!r}, connected to instance "
+                f"{peer.instance_id}",
+            )
+        return peer
 
     def _may_post(self, read: _Read, peer: _PeerOut | None, now: float, expired: str) -> bool:
         """Whether a READ of `read` may be posted now; if not, fail it (caller holds _lock).
@@ -299,7 +316,7 @@ class Receiver:
             if read.status.state is TransferState.PENDING:
                 read.status.advance(TransferState.TRANSFERRING)
         # On CPU, UCX may copy inside transfer(); _lock stays free so renewals keep flowing.
-        state = self._nixl.transfer(handle)
+        state = self._post(handle)
         if state.startswith("ERR"):
             self._fail_from_nixl(read, f"NIXL could not post the READ: {state}", state)
 
@@ -320,7 +337,7 @@ class Receiver:
 
     def _step_chunk(self, read: _Read, now: float) -> Literal["busy", "failed", "landed"]:
         """Check the chunk in flight; post the next when it landed."""
-        state = self._nixl.check(read.handle)
+        state = self._check(read.handle)
         if state == "PROC":
             if now - read.started_at <= self._cfg.read_timeout_s:
                 return "busy"
@@ -475,6 +492,8 @@ class Receiver:
 
     def beat(self, now: float) -> None:
         """Renew every active read's lease; declare silent senders dead."""
+        if not self._renews:  # the never_read fault: the sender must see silence
+            return
         with self._lock:
             active: dict[str, list[str]] = collections.defaultdict(list)
             for read in self._reads.values():
@@ -530,9 +549,11 @@ class Receiver:
         read.tell_sender = tell_sender
 
     def _fail_from_nixl(self, read: _Read, reason: str, state: str) -> None:
-        """A NIXL error fails the read; a dropped connection also marks its sender down."""
+        """A NIXL error fails the read; a dropped connection also marks its sender down. A
+        live sender is told to free the blocks once the handle is released (no READ can land
+        then), rather than hold them to the lease's end."""
         with self._lock:
-            self._fail(read, reason)
+            self._fail(read, reason, tell_sender=True)
             peer = self._peers.get(read.peer)
             if peer is not None and peer.alive and "DISCONNECT" in state.upper():
                 self._peer_down(peer, "its NIXL connection dropped")
@@ -562,7 +583,7 @@ class Receiver:
             peer.dlist = None
 
     def _release_handle(self, read: _Read) -> bool:
-        if not self._nixl.release(read.handle, read.request_id):
+        if not self._release_xfer(read.handle, read.request_id):
             return False
         read.handle = None
         return True

@@ -12,17 +12,23 @@ One round of the thread's loop:
     register adopted DEALERs, close retired ones; stop if asked to
     send queued frames
     wait for frames: 2 ms while reads, pinned leases or a recent handshake exist, else 100 ms
-    ROUTER frames: Hello -> handshake answer (compatibility checked again here, the reader
-                   registered with the LeaseTable); Renew/Abort -> LeaseTable
+    ROUTER frames: Hello -> handshake answer (the allowed-peers map and compatibility
+                   checked here, the reader registered with the LeaseTable, all refusals
+                   answered HelloReply ok=False); Renew/Abort -> LeaseTable
     DEALER frames: -> Receiver (renew replies, aborts, error replies)
     every heartbeat_s: Receiver.beat (renewals, silent senders marked down)
     send queued frames
 
 Every frame is one typed `engine.wire` message under `max_frame_bytes`; a malformed, pickled,
 oversized, multi-part or out-of-order frame is counted in `rejected_frames` and, on the
-ROUTER, answered with an `ErrorReply` (the channel keeps serving). The thread never touches
-the engine. Its lock guards only the hand-over lists and flags below and is never held while
-calling into another part.
+ROUTER, answered with an `ErrorReply` (the channel keeps serving). Every socket has ZMQ's
+receive size cap (MAXMSGSIZE, 4x the frame limit: a peer sending more is disconnected before
+the frame is buffered) and send/receive high-water marks (_HWM frames per peer: past it a send
+is dropped and logged, never queued without bound); each round reads at most
+_MAX_FRAMES_PER_ROUND frames per socket.
+
+The thread never touches the engine. Its lock guards only the hand-over lists and flags below
+and is never held while calling into another part.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from engine.wire import WireError, decode, encode
 from kv_transfer.compat import Compat
 from kv_transfer.errors import quietly
 from kv_transfer.events import TransferStats
-from kv_transfer.messages import Abort, ErrorReply, Hello, HelloReply, Renew
+from kv_transfer.faults import FaultPlan
+from kv_transfer.messages import Abort, ErrorReply, Hello, HelloReply, Renew, RenewReply
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -53,6 +60,9 @@ log = logging.getLogger(__name__)
 
 _HANDSHAKE_BUSY_S = 5.0  # after a handshake the new pair's UCX wire-up needs our progress
 _MAX_FRAMES_PER_ROUND = 256  # per socket, so other sockets and timers get their turn
+# Frames queued per connection and direction. Legit traffic is a few frames per heartbeat per
+# peer; this bounds what a flood can pin in memory to _HWM x MAXMSGSIZE per connection.
+_HWM = 1024
 
 
 class SideChannel:
@@ -64,6 +74,7 @@ class SideChannel:
     _sender: LeaseTable
     _receiver: Receiver
     _take_notifs: Callable[[bool], NotifBatch]
+    _on_renew: Callable[[bytes, Renew], RenewReply | None]
 
     def __init__(
         self,
@@ -100,11 +111,15 @@ class SideChannel:
         sender: LeaseTable,
         receiver: Receiver,
         take_notifs: Callable[[bool], NotifBatch],
+        faults: FaultPlan | None = None,
     ) -> None:
         """Start serving: `welcome` is the HelloReply every compatible reader gets."""
         self._compat = compat
         self._welcome = welcome
         self._sender = sender
+        # Bound once: the drop_renew_replies fault costs nothing when it is off.
+        drop = faults is not None and faults.drop_renew_replies
+        self._on_renew = self._renew_without_reply if drop else sender.on_renew
         self._receiver = receiver
         self._take_notifs = take_notifs
         self._thread = threading.Thread(target=self._run, name=f"kvx-{self.name}", daemon=True)
@@ -241,31 +256,45 @@ class SideChannel:
     def _on_router_message(self, ident: bytes, msg: Any) -> Any:
         if isinstance(msg, Hello):
             return self._answer_hello(ident, msg)
-        reader = self._sender.reader_name(ident)
-        if reader is None:
-            raise WireError(f"{type(msg).__name__} before a handshake")
+        if self._sender.reader_name(ident) is None:
+            raise WireError(f"{type(msg).__name__} before a handshake (or from a dropped peer)")
         if isinstance(msg, Renew):
-            return self._sender.on_renew(reader, msg)
+            return self._on_renew(ident, msg)
         if isinstance(msg, Abort):
-            self._sender.on_abort(reader, msg)
+            self._sender.on_abort(ident, msg)
             return None
         raise WireError(f"unexpected {type(msg).__name__} on a sender's side channel")
 
+    def _renew_without_reply(self, ident: bytes, renew: Renew) -> RenewReply | None:
+        self._sender.on_renew(ident, renew)  # applied, never answered: a hung side channel
+        return None
+
     def _answer_hello(self, ident: bytes, hello: Hello) -> HelloReply:
+        """Refuse a peer outside the allowed map first (it learns nothing of our layout), then
+        a layout mismatch; else register the reader and welcome it."""
         self.note_handshake()
-        fields, message = self._compat.mismatch(
-            hello.protocol_version, hello.compat_hash, hello.compat_fields, for_peer=True
-        )
-        if fields:
-            return HelloReply(
-                ok=False,
-                name=self._welcome.name,
-                instance_id=self._welcome.instance_id,
-                error=message,
-                differing_fields=fields,
+        refusal = self._sender.refusal(hello.name, hello.instance_id)
+        if refusal is None:
+            fields, message = self._compat.mismatch(
+                hello.protocol_version, hello.compat_hash, hello.compat_fields, for_peer=True
             )
-        self._sender.add_reader(ident, hello.name, hello.instance_id)
+            if fields:
+                return self._refuse(message, fields)
+            refusal = self._sender.add_reader(ident, hello.name, hello.instance_id)
+        if refusal is not None:
+            log.warning("side channel: refused a handshake: %s", refusal.reason)
+            return self._refuse(refusal.reason, list(refusal.fields))
         return self._welcome
+
+    def _refuse(self, error: str, fields: list[str]) -> HelloReply:
+        w = self._welcome
+        return HelloReply(
+            ok=False,
+            name=w.name,
+            instance_id=w.instance_id,
+            error=error[:4000],
+            differing_fields=fields,
+        )
 
     def _serve_peer(self, sock: zmq.Socket, name: str) -> None:
         frames = []
@@ -303,6 +332,8 @@ class SideChannel:
         # Past this ZMQ drops the connection before buffering the frame; decode() answers
         # frames between max_frame_bytes and this with an ErrorReply.
         s.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_frame_bytes)
+        s.setsockopt(zmq.SNDHWM, _HWM)
+        s.setsockopt(zmq.RCVHWM, _HWM)
         return s
 
 

@@ -115,6 +115,9 @@ class PrefillServer(EngineServer):
     def has_pending_work(self) -> bool:
         return bool(self.pending)
 
+    def holds_nothing(self) -> bool:
+        return not self.pending and self.agent.num_held() == 0
+
     def before_step(self) -> None:
         for ev in self.agent.poll():
             if isinstance(ev, Released):
@@ -140,6 +143,8 @@ class PrefillServer(EngineServer):
             "transfer_failures": st.failures,
             "transfer_bytes": st.bytes_served,
             "transfer_seconds": st.serve_seconds,
+            "refused_peers": st.refused_peers,
+            "restarted_leases": st.restarted_leases,
             "released": dict(self.released_reasons),
         }
 

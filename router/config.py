@@ -61,6 +61,18 @@ class RouterConfig:
     completion_default_max_tokens: int = setting(
         16, "max_tokens of a /v1/completions request that gives none"
     )
+    # Bounded admission (router/admission.py): requests waiting for their first token.
+    max_queued_requests: int = setting(
+        512, "requests waiting for their first token before new ones get 429 (0: unlimited)"
+    )
+    max_queued_prompt_tokens: int = setting(
+        1 << 20,
+        "prompt tokens waiting for their first output token before new requests get 429 "
+        "(0: unlimited; a larger prompt is still admitted when nothing waits)",
+    )
+    metrics_require_key: bool = setting(
+        True, "/metrics asks for the API key too (--no-metrics-require-key: open to scrapers)"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -103,7 +115,17 @@ class RouterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("disagg_threshold", "affinity_slack_tokens"):
+        if not isinstance(self.metrics_require_key, bool):
+            raise ValueError(
+                f"metrics_require_key must be a bool, got {self.metrics_require_key!r}"
+            )
+        non_negative = (
+            "disagg_threshold",
+            "affinity_slack_tokens",
+            "max_queued_requests",
+            "max_queued_prompt_tokens",
+        )
+        for name in non_negative:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")

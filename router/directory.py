@@ -15,6 +15,9 @@ from typing import Protocol, runtime_checkable
 from engine.protocol import WorkerLoad
 from engine.roles import check_role
 
+READY, DRAINING, DOWN = "ready", "draining", "down"
+WORKER_STATES = (READY, DRAINING, DOWN)
+
 
 @dataclass(slots=True)
 class WorkerInfo:
@@ -22,14 +25,21 @@ class WorkerInfo:
 
     `request_endpoint` is the ZMQ endpoint the worker PULLs requests from (the router PUSHes
     there). A decode worker takes KV hand-offs from prefill workers on the same endpoint.
+    `incarnation` changes when the worker is replaced (a restarted process): requests the old
+    one held are lost. `state`: "ready" (routable), "draining" (finishing what it holds, no new
+    requests), "down" (dead or hung: its requests are failed at once).
     """
 
     worker_id: str
     role: str  # one of engine.roles.ROLES
     request_endpoint: str
     load: WorkerLoad
+    incarnation: str = ""
+    state: str = READY
 
     def __post_init__(self) -> None:
+        if self.state not in WORKER_STATES:
+            raise ValueError(f"state must be one of {WORKER_STATES}, got {self.state!r}")
         if not isinstance(self.worker_id, str) or not self.worker_id:
             raise ValueError("worker_id must be a non-empty string")
         check_role(self.role)

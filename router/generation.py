@@ -94,6 +94,8 @@ class Generation:
         self._first_at: float | None = None
         self._last_at: float | None = None
         self._delivered_at = arrival
+        # Called once, when the first output token is observed (admission: leaves the queue).
+        self.on_first_token: Callable[[], None] | None = None
 
     async def pieces(self) -> AsyncIterator[Piece]:
         plan = await self._route()
@@ -182,6 +184,9 @@ class Generation:
                 msg = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
             except TimeoutError:
                 continue
+            if msg.handoff:  # the decode worker owns it now; not a token
+                self.ctx.pool.note_handed_off(self.rid)
+                continue
             if msg.choice >= len(self.choices):
                 raise APIError(500, f"request {self.rid}: a worker sent choice {msg.choice}")
             choice = self.choices[msg.choice]
@@ -249,6 +254,8 @@ class Generation:
             if self._first_at is None:
                 self._first_at = now
                 metrics.ttft.observe(now - self.arrival)
+                if self.on_first_token is not None:
+                    self.on_first_token()
             elif self._last_at is not None:
                 metrics.itl.observe(now - self._last_at)
             self._last_at = now

@@ -1,6 +1,7 @@
 """Prometheus metrics of the router, in their own CollectorRegistry (names prefixed tandem_).
 
-Latency histograms and request/decision counters are updated by the server as requests run.
+Latency histograms and request/decision counters are updated by the server as requests run;
+the admission queue gauges read `AdmissionControl` at scrape time (`track_queue`).
 Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read at scrape time
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
@@ -56,12 +57,25 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160
 # The finish_reason label values of tandem_requests_finished, exported at 0 from the start:
 # stop, length and abort as vLLM names them, error for a request that failed.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why the router refused a generation request before routing it (tandem_requests_rejected):
+# its admission queue was full (429), it is draining (503), or no decode worker was known (503).
+REJECT_REASONS = ("queue_full", "draining", "no_workers")
 
 _TRANSFER_KEYS = (
     ("transfer_bytes", "tandem_kv_transfer_bytes", "KV bytes moved to/from this worker"),
     ("transfer_seconds", "tandem_kv_transfer_seconds", "Seconds spent in KV transfers"),
     ("transfer_failures", "tandem_kv_transfer_failures", "KV transfers that failed"),
     ("expired_leases", "tandem_kv_expired_leases", "KV block leases that expired"),
+    (
+        "refused_peers",
+        "tandem_kv_refused_peers",
+        "KV handshakes or hand-offs refused: the peer is not in the registry (or stale)",
+    ),
+    (
+        "restarted_leases",
+        "tandem_kv_restarted_leases",
+        "KV leases released at once because their reader was replaced by a new incarnation",
+    ),
     ("bad_frames", "tandem_worker_bad_frames", "Malformed or oversized frames a worker dropped"),
     ("preemptions", "tandem_preemptions", "Sequences preempted (recomputed) for lack of KV"),
     ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache"),
@@ -204,4 +218,30 @@ class RouterMetrics:
             self.requests.labels(status=status)
         for path in (LOCAL, REMOTE):
             self.disagg.labels(path=path)
+        self._add_admission_metrics(r)
         r.register(WorkerCollector(snapshot))
+
+    def _add_admission_metrics(self, r: CollectorRegistry) -> None:
+        self.rejected = Counter(
+            "tandem_requests_rejected",
+            "Generation requests refused before routing, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        self.queued_requests = Gauge(
+            "tandem_router_queued_requests",
+            "Requests admitted and waiting for their first token",
+            registry=r,
+        )
+        self.queued_prompt_tokens = Gauge(
+            "tandem_router_queued_prompt_tokens",
+            "Prompt tokens of the requests waiting for their first token",
+            registry=r,
+        )
+
+    def track_queue(self, requests: Callable[[], float], tokens: Callable[[], float]) -> None:
+        """Read the admission queue's size at scrape time (never stale, nothing to update)."""
+        self.queued_requests.set_function(requests)
+        self.queued_prompt_tokens.set_function(tokens)

@@ -7,10 +7,18 @@ it in reverse. `run_forever()` does both around a signal wait for a plain proces
 actor call `await start()` on the actor's loop instead.
 
 Lifecycle of a request: the middlewares check the key and turn any error into an OpenAI error
-body -> parse and validate (4xx on any client mistake) -> a `Generation` routes, dispatches and
+body -> parse and validate (4xx on any client mistake) -> admission (router/admission.py: 503
+`draining` once `begin_drain()` was called, 429 `queue_full` over the queue limits; both answered
+before anything is sent to a worker) -> a `Generation` routes, dispatches and
 yields text pieces (router/generation.py) -> answered as one JSON body or as SSE events ending
 in `data: [DONE]` (shapes in router/responses.py). Streams send their headers with the first
-piece, so a failure before it is still a plain HTTP error.
+piece, so a failure before it is still a plain HTTP error. The admission ticket leaves the queue
+at the first output token and is released whichever way the request ends.
+
+Probes: `/health` is liveness (200 while the process serves); `/ready` (alias
+`/health?ready=1`) is readiness: 503 while draining or while the pool has no decode-capable
+worker. Neither needs the API key. Drain (what a SIGTERM handler calls): `begin_drain()`, then
+`await wait_idle(timeout_s)` until the generation requests in flight have ended.
 """
 
 from __future__ import annotations
@@ -32,11 +40,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.roles import DECODING_ROLES
 from router import responses
+from router.admission import AdmissionControl, Ticket
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
-from router.errors import APIError
+from router.errors import UNAVAILABLE_RETRY_AFTER_S, APIError
 from router.generation import GenerationContext
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest, RequestParser
@@ -48,6 +58,8 @@ from router.utility_routes import add_utility_routes
 log = logging.getLogger(__name__)
 
 _GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Probes answer without the API key: orchestrators do not hold it.
+_PROBE_PATHS = ("/health", "/ready")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -124,6 +136,16 @@ class RouterServer:
             on_bad_frame=self.metrics.bad_frames.inc,
         )
         self.pool = WorkerPool(config, directory, self.dataplane)
+        self.admission = AdmissionControl(
+            config.max_queued_requests, config.max_queued_prompt_tokens
+        )
+        self.metrics.track_queue(
+            lambda: self.admission.queued_requests, lambda: self.admission.queued_prompt_tokens
+        )
+        self._draining = False
+        self._active = 0  # generation requests inside _serve (what wait_idle waits out)
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._generation_context: GenerationContext | None = None
         self._runner: web.AppRunner | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -187,6 +209,7 @@ class RouterServer:
             middlewares=[self._error_middleware, self._auth_middleware],
         )
         app.router.add_get("/health", self._health)
+        app.router.add_get("/ready", self._ready)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
@@ -240,6 +263,30 @@ class RouterServer:
 
         asyncio.run(main())
 
+    # ------------------------------------------------------------------ drain
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """Refuse new generation requests (503 `draining`) and fail readiness; requests in
+        flight go on. Idempotent; there is no way back (the process is on its way out)."""
+        if not self._draining:
+            self._draining = True
+            log.info("router draining: %d generation requests in flight", self._active)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True once no generation request is in flight; False if some still are after
+        `timeout_s` seconds."""
+        if self._active == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout_s, 0.0))
+        except TimeoutError:
+            return self._active == 0
+        return True
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -280,7 +327,7 @@ class RouterServer:
     @web.middleware
     async def _auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         key = self.config.api_key
-        if key is not None and request.path != "/health":
+        if key is not None and self._needs_key(request.path):
             given = request.headers.get("Authorization", "")
             expected = f"Bearer {key}"
             if not hmac.compare_digest(given.encode(), expected.encode()):
@@ -291,15 +338,40 @@ class RouterServer:
                 )
         return await handler(request)
 
+    def _needs_key(self, path: str) -> bool:
+        if path in _PROBE_PATHS:
+            return False
+        return self.config.metrics_require_key or path != "/metrics"
+
     # ------------------------------------------------------------------ simple routes
 
     async def _health(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves (`?ready=1`: the readiness answer)."""
+        if request.query.get("ready", "").lower() in ("1", "true"):
+            return await self._ready(request)
         return web.json_response(
             {
                 "status": "ok",
                 "workers": self.pool.role_counts(),
                 "inflight": self.dataplane.num_inflight,
+                "draining": self._draining,
             }
+        )
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        """Readiness: 200 when new requests can be served, else 503 with the reason."""
+        workers = self.pool.role_counts()  # the routable workers of the latest snapshot
+        if self._draining:
+            reason, message = "draining", "the router is draining (shutting down)"
+        elif not any(workers.get(role) for role in DECODING_ROLES):
+            reason = "no_decode_workers"
+            message = "no decode-capable worker (decode or colocated) in the pool"
+        else:
+            return web.json_response({"status": "ready", "workers": workers})
+        return web.json_response(
+            {"status": "not_ready", "reason": reason, "message": message, "workers": workers},
+            status=503,
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -345,14 +417,49 @@ class RouterServer:
         parsed = self.parser.parse_chat(body)
         return await self._serve(request, parsed, f"chatcmpl-{uuid.uuid4().hex}")
 
+    def _admit(self, parsed: ParsedRequest, rid: str) -> Ticket:
+        """A place in the admission queue, or APIError 503 `draining` / 429 `queue_full`:
+        synchronous, so a refusal never waits on a worker."""
+        if self._draining:
+            raise APIError(
+                503,
+                "the router is draining (shutting down) and takes no new requests; retry",
+                code="draining",
+            )
+        return self.admission.admit(rid, sum(len(p) for p in parsed.prompts))
+
+    def _refuse(self, e: APIError) -> web.Response:
+        self.metrics.rejected.labels(reason=e.code).inc()
+        self.metrics.requests.labels(
+            status="client_error" if e.status < 500 else "server_error"
+        ).inc()
+        return e.response()
+
+    def _enter(self) -> None:
+        self._active += 1
+        self._idle.clear()
+        self.metrics.inflight.inc()
+
+    def _leave(self) -> None:
+        self.metrics.inflight.dec()
+        self._active -= 1
+        if self._active == 0:
+            self._idle.set()
+
     async def _serve(
         self, request: web.Request, parsed: ParsedRequest, rid: str
     ) -> web.StreamResponse:
         assert self._generation_context is not None
-        run = RequestRun(self._generation_context, parsed, rid, time.monotonic())
-        self.metrics.inflight.inc()
+        arrival = time.monotonic()
+        try:
+            ticket = self._admit(parsed, rid)
+        except APIError as e:
+            return self._refuse(e)
+        self._enter()
         status = "cancelled"
         try:
+            run = RequestRun(self._generation_context, parsed, rid, arrival)
+            run.set_first_token_callback(ticket.started)
             if parsed.stream:
                 resp = await self._respond_stream(request, run)
             else:
@@ -361,6 +468,8 @@ class RouterServer:
             return resp
         except APIError as e:
             status = "server_error" if e.status >= 500 else "client_error"
+            if e.code == "no_workers":
+                self.metrics.rejected.labels(reason="no_workers").inc()
             return e.response()
         except (asyncio.CancelledError, ConnectionResetError):
             status = "cancelled"
@@ -369,7 +478,8 @@ class RouterServer:
             status = "server_error"
             raise
         finally:
-            self.metrics.inflight.dec()
+            ticket.done()
+            self._leave()
             self.metrics.requests.labels(status=status).inc()
 
     async def _respond_json(self, run: RequestRun) -> web.Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +33,19 @@ class RequestRun:
             Generation(ctx, _for_prompt(parsed, ids), f"{rid}-{i}" if many else rid, arrival)
             for i, ids in enumerate(parsed.prompts)
         ]
+
+    def set_first_token_callback(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once, at the first output token of any of the generations."""
+        fired = False
+
+        def once() -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                callback()
+
+        for generation in self.generations:
+            generation.on_first_token = once
 
     @property
     def placement(self):

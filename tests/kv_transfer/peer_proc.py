@@ -142,9 +142,17 @@ def main() -> None:
             elif op == "connect":
                 agent.connect(cmd["metadata"])
                 reply({"ok": True})
+            elif op == "allow":
+                agent.set_allowed_peers(cmd["peers"])
+                reply({"ok": True})
             elif op == "start_read":
                 agent.start_read(
-                    cmd["rid"], cmd["peer"], cmd["remote"], cmd["local"], cmd["deadline"]
+                    cmd["rid"],
+                    cmd["peer"],
+                    cmd["remote"],
+                    cmd["local"],
+                    cmd["deadline"],
+                    sender_instance=cmd.get("sender_instance"),
                 )
                 paused_until = time.monotonic() + cmd.get("pause", 0.0)
                 reply({"ok": True, "state": agent.transfer_state(cmd["rid"]).name})
@@ -152,7 +160,7 @@ def main() -> None:
                 st = agent.transfer_state(cmd["rid"])
                 reply({"state": None if st is None else st.name})
             elif op == "abort":
-                reply({"known": agent.abort(cmd["rid"])})
+                reply({"known": agent.abort(cmd["rid"], cmd.get("peer"))})
             elif op == "pause":
                 paused_until = time.monotonic() + cmd["seconds"]
                 reply({"ok": True})

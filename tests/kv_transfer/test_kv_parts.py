@@ -26,9 +26,10 @@ def test_renew_pins_and_extends_only_for_the_named_reader():
     deadline = table.hold("r1", [1, 2], "d0")
     assert abs(deadline - time.time() - 0.5) < 0.1
     assert table.reader_name(b"id-d0") == "d0" and table.reader_name(b"stranger") is None
-    other = table.on_renew("d1", Renew(1, ["r1"]))
+    table.add_reader(b"id-d1", "d1", "inst-7")
+    other = table.on_renew(b"id-d1", Renew(1, ["r1"]))
     assert other.statuses == ["unknown"] and not table.any_pinned()
-    reply = table.on_renew("d0", Renew(2, ["r1", "never-held"]))
+    reply = table.on_renew(b"id-d0", Renew(2, ["r1", "never-held"]))
     assert reply.statuses == ["ok", "unknown"] and 0.4 < reply.remaining_s[0] <= 0.5
     assert table.any_pinned()
 
@@ -37,25 +38,25 @@ def test_expiry_reports_a_silent_reader_apart_from_an_unread_lease():
     table = _table(lease_seconds=0.05)
     table.hold("unread", [1], "d0")
     table.hold("pinned", [2], "d0")
-    table.on_renew("d0", Renew(1, ["pinned"]))
+    table.on_renew(b"id-d0", Renew(1, ["pinned"]))
     table.expire(time.monotonic() + 1)
     reasons = {ev.request_id: ev.reason for ev in table.take_events()}
     assert reasons == {"unread": "lease_expired", "pinned": "peer_failed"}
     stats = table.stats()
     assert (stats.expired_leases, stats.failures, table.num_held()) == (2, 1, 0)
     # A renewal arriving after the release hears what happened, not "unknown".
-    assert table.on_renew("d0", Renew(2, ["pinned"])).statuses == ["expired"]
+    assert table.on_renew(b"id-d0", Renew(2, ["pinned"])).statuses == ["expired"]
 
 
 def test_abort_of_a_pinned_lease_waits_for_the_reader():
     table = _table()
     table.hold("r1", [3, 4], "d0")
-    table.on_renew("d0", Renew(1, ["r1"]))
+    table.on_renew(b"id-d0", Renew(1, ["r1"]))
     assert table.abort("r1") and not table.abort("unknown")
     assert table.take_outgoing() == [(b"id-d0", Abort("r1", "aborted by sender"))]
     assert table.take_events() == [] and table.num_held() == 1  # a READ may still land
-    assert table.on_renew("d0", Renew(2, ["r1"])).statuses == ["aborted"]
-    table.on_abort("d0", Abort("r1", "reader let go"))
+    assert table.on_renew(b"id-d0", Renew(2, ["r1"])).statuses == ["aborted"]
+    table.on_abort(b"id-d0", Abort("r1", "reader let go"))
     assert table.take_events() == [Released("r1", (3, 4), "aborted")]
     assert table.stats().aborted == 1
 
@@ -69,7 +70,7 @@ def test_notifications_release_only_the_readers_own_leases():
     assert table.take_events() == [Released("r1", (5, 6, 7), "read_done")]
     stats = table.stats()
     assert (stats.bytes_served, stats.ignored_notifs) == (300, 3)
-    assert table.on_renew("d0", Renew(1, ["r1"])).statuses == ["done"]
+    assert table.on_renew(b"id-d0", Renew(1, ["r1"])).statuses == ["done"]
 
 
 def test_hold_refuses_bad_calls():

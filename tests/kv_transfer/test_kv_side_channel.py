@@ -111,3 +111,39 @@ def test_receiver_rejects_junk_from_a_sender_and_stays_alive():
     finally:
         receiver.close()
         router.close()
+
+
+def test_every_side_channel_socket_has_size_and_queue_limits():
+    """ROUTER and DEALERs come from one factory: ZMQ's receive cap above the frame limit and
+    explicit high-water marks, so neither a huge frame nor a flood is buffered unbounded."""
+    from kv_transfer.side_channel import SideChannel
+
+    channel = SideChannel("limits", "127.0.0.1", None, MAX_SIDE_FRAME_BYTES, 0.1)
+    dealer = channel.dealer()
+    try:
+        for sock in (channel._router, dealer):
+            assert sock.getsockopt(zmq.MAXMSGSIZE) == 4 * MAX_SIDE_FRAME_BYTES
+            for hwm in (zmq.SNDHWM, zmq.RCVHWM):
+                assert 0 < sock.getsockopt(hwm) <= 4096
+    finally:
+        dealer.close()
+        channel.close()
+
+
+def test_a_frame_over_zmqs_cap_is_dropped_with_its_connection(sender):
+    ctx = zmq.Context.instance()
+    huge = ctx.socket(zmq.DEALER)
+    huge.setsockopt(zmq.LINGER, 0)
+    huge.connect(sender.metadata["endpoint"])
+    try:
+        huge.send(b"\x00" * (4 * MAX_SIDE_FRAME_BYTES + 1))
+        assert not huge.poll(1000), "a frame over MAXMSGSIZE was buffered and answered"
+    finally:
+        huge.close()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(sender.metadata["endpoint"])
+    try:
+        assert isinstance(_ask(sock, b"\xc1junk"), ErrorReply)  # still serving
+    finally:
+        sock.close()

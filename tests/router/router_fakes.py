@@ -224,3 +224,26 @@ class FakeWorker:
             sock.connect(endpoint)
             self._push[endpoint] = sock
         sock.send(encode(msg))
+
+
+class HoldingWorker(FakeWorker):
+    """A FakeWorker that sends nothing until `release()`: its requests wait for their first
+    token as they would behind a full worker queue. Aborts still reach it while it holds.
+    After the release it answers like a FakeWorker (`delay_s` between messages)."""
+
+    def __init__(self, worker_id: str, role: str = "colocated", **kwargs) -> None:
+        self.released = threading.Event()  # set before the worker thread starts
+        super().__init__(worker_id, role, **kwargs)
+
+    def release(self) -> None:
+        self.released.set()
+
+    def _advance(self) -> None:
+        if not self.released.is_set():
+            # Push every job's next message a little ahead, so the poll loop sleeps instead of
+            # spinning while it holds.
+            hold_until = time.monotonic() + 0.005
+            for job in self._jobs:
+                job.next_at = max(job.next_at, hold_until)
+            return
+        super()._advance()

@@ -60,3 +60,18 @@ def test_excluded_flags_keep_defaults_and_overrides_win():
 def test_config_validation_still_runs():
     with pytest.raises(ValueError, match="send_timeout_s"):
         config_from_args(router_parser().parse_args(["--send-timeout-s=0"]), "m")
+
+
+def test_admission_and_metrics_key_flags():
+    argv = ["--max-queued-requests=3", "--max-queued-prompt-tokens=0", "--no-metrics-require-key"]
+    cfg = config_from_args(router_parser().parse_args(argv), "m")
+    assert (cfg.max_queued_requests, cfg.max_queued_prompt_tokens) == (3, 0)
+    assert cfg.metrics_require_key is False
+    defaults = RouterConfig(model_path="m")
+    assert (defaults.max_queued_requests, defaults.max_queued_prompt_tokens) == (512, 1 << 20)
+    assert defaults.metrics_require_key is True
+    for name in ("max_queued_requests", "max_queued_prompt_tokens"):
+        with pytest.raises(ValueError, match=name):
+            RouterConfig(model_path="m", **{name: -1})
+    with pytest.raises(ValueError, match="metrics_require_key"):
+        RouterConfig(model_path="m", metrics_require_key="no")  # type: ignore[arg-type]

@@ -1,0 +1,239 @@
+"""`ServeSettings`: everything `tandem serve` needs, each setting and default written once.
+
+Its flags are generated from these fields, from `RouterConfig`'s (group "router") and from
+`EngineConfig`'s (group "engine"); `cluster.deployment.Deployment` runs what it describes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from decode_worker.server import FAILURE_POLICIES
+from engine.config_flags import field_default, setting
+from engine.llm_engine import EngineConfig
+from engine.quantization import QUANTIZATIONS
+from engine.quantization import validate as validate_quantization
+from engine.roles import COLOCATED, DECODE, PREFILL
+from router.config import RouterConfig
+
+MODES = ("disagg", "colocated")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+# RouterConfig fields that `tandem serve` sets itself (from its own settings or the engine's),
+# so they are not offered again in the router flag group.
+ROUTER_FIELDS_FROM_SERVE = frozenset(
+    {
+        "model_path",
+        "served_model_name",
+        "host",
+        "port",
+        "bind_host",
+        "api_key",
+        "disagg_threshold",
+        "max_frame_bytes",
+        "max_model_len",
+        "default_block_size",
+    }
+)
+# EngineConfig fields a deployment sets per worker, never from the command line.
+ENGINE_FIELDS_FROM_SERVE = frozenset({"model", "role", "device", "quantization"})
+
+
+def _router_default(name: str):
+    return field_default(RouterConfig, name)
+
+
+@dataclass(slots=True)
+class ServeSettings:
+    """Everything `tandem serve` needs. Its flags are generated from these fields, from
+    `RouterConfig`'s (group "router") and from `EngineConfig`'s (group "engine"), so every
+    setting and default is written once. `engine` and `router` hold overrides of those two
+    configs' fields (by name) beyond what this class sets itself.
+
+    Quantization is per pool: `prefill_quantization` and `decode_quantization` (the decode pool
+    and colocated replicas) take the names of engine/quantization/__init__.py, and `quantized`
+    switches on the quantized profile (FP8 W8A8 prefill, weight-only decode, FP8 KV) for what
+    is left at "auto"."""
+
+    model: str = setting(help="local Hugging Face model directory (config.json + safetensors)")
+    mode: str = setting("disagg", "prefill + decode pools, or colocated replicas", choices=MODES)
+    prefill: int = setting(1, "prefill actors (disagg)")
+    decode: int = setting(1, "decode actors (disagg)")
+    replicas: int = setting(2, "engine replicas (colocated)")
+    host: str = setting(_router_default("host"), "HTTP listen address")
+    port: int = setting(_router_default("port"), "HTTP port (0: any free port)")
+    address: str | None = setting(
+        None, "Ray cluster to attach to ('auto' or HOST:PORT); default: start a local one"
+    )
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health (or set TANDEM_API_KEY)",
+    )
+    served_model_name: str | None = setting(None, "model name in the API (default: --model)")
+    bind_host: str = setting(
+        _router_default("bind_host"),
+        "address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP",
+    )
+    prefill_resource: str | None = setting(
+        None, "custom Ray resource every prefill actor requires (1 unit)"
+    )
+    decode_resource: str | None = setting(
+        None, "custom Ray resource every decode actor requires (1 unit)"
+    )
+    num_cpus: int | None = setting(None, "CPUs of a local Ray cluster (default: all)")
+    disagg_threshold: int = setting(
+        _router_default("disagg_threshold"),
+        "prompts shorter than this many tokens are prefilled on the decode worker",
+    )
+    lease_seconds: float = setting(30.0, "how long a prefill worker holds KV for its decode peer")
+    kv_read_timeout_s: float = setting(30.0, "a KV READ (hand-off) taking longer than this fails")
+    on_transfer_failure: str = setting(
+        "recompute",
+        "when KV cannot be fetched: recompute the prompt on the decode worker, or fail",
+        choices=FAILURE_POLICIES,
+    )
+    log_level: str = setting(
+        "WARNING", "log level of the workers and the router", parse=str.upper, choices=LOG_LEVELS
+    )
+    max_frame_mb: float = setting(
+        16.0, "largest ZMQ frame a worker or the router accepts; larger ones are dropped"
+    )
+    # Projection weights per pool (names and what each means: engine/quantization/__init__.py).
+    # "auto" keeps what the checkpoint has: full weights, or an FP8 checkpoint's own.
+    prefill_quantization: str = setting(
+        "auto",
+        "projection weights of the prefill pool: fp8 is W8A8 (FP8 weights and activations)",
+        choices=QUANTIZATIONS,
+    )
+    decode_quantization: str = setting(
+        "auto",
+        "projection weights of the decode pool and colocated replicas (weight-only: FP8 on "
+        "GPUs with FP8, CUDA 8.9+; int8 elsewhere)",
+        choices=QUANTIZATIONS,
+    )
+    # The quantized profile in one switch; see `_apply_quantized_profile`.
+    quantized: bool = setting(
+        False,
+        "quantized profile: fp8 (W8A8) prefill, weight-only decode, FP8 KV (--kv-dtype "
+        "fp8_e4m3); a per-pool quantization or --kv-dtype other than auto wins",
+    )
+    max_worker_restarts: int = setting(
+        -1, "times Ray restarts a dead worker actor (-1: always; 0: never)"
+    )
+    drain_timeout_s: float = setting(
+        30.0, "on SIGTERM: how long in-flight requests may take to finish before exit"
+    )
+    router_only: bool = setting(
+        False,
+        "start only a router, attached (--address) to the controller of a running deployment",
+    )
+    inject_faults: str | None = setting(
+        None,
+        "testing only: JSON {role: {step_delay_s, and KV fault knobs of kv_transfer/faults.py}}, "
+        "e.g. "
+        '\'{"decode": {"read_delay_s": 2}}\'',
+    )
+    engine: dict = setting(default_factory=dict, cli=False)  # EngineConfig overrides
+    router: dict = setting(default_factory=dict, cli=False)  # RouterConfig overrides
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("prefill", "decode", "replicas"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
+        if not self.max_frame_mb > 0:
+            raise ValueError(f"max_frame_mb must be > 0, got {self.max_frame_mb}")
+        for name in ("lease_seconds", "kv_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_worker_restarts < -1:
+            raise ValueError("max_worker_restarts must be >= -1")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.router_only and not self.address:
+            raise ValueError("--router-only attaches to a running deployment: give --address")
+        self.fault_plans()  # a malformed plan fails here, not in a worker
+        self.prefill_quantization = validate_quantization(self.prefill_quantization)
+        self.decode_quantization = validate_quantization(self.decode_quantization)
+        for what, overrides, owned in (
+            ("engine", self.engine, ENGINE_FIELDS_FROM_SERVE),
+            ("router", self.router, ROUTER_FIELDS_FROM_SERVE),
+        ):
+            clash = sorted(set(overrides) & owned)
+            if clash:
+                raise ValueError(f"{what} overrides {clash} are set by ServeSettings itself")
+        if self.quantized:
+            self._apply_quantized_profile()
+
+    def _apply_quantized_profile(self) -> None:
+        """`quantized`: FP8 W8A8 prefill ("fp8": FP8 e4m3 weights with per-channel scales,
+        activations scaled per token at run time, `torch._scaled_mm`), weight-only decode
+        ("weight-only": FP8 weights where the GPU has FP8, int8 on CPU and older GPUs) and FP8
+        KV (kv_dtype "fp8_e4m3"). It fills in only what is still at "auto" (or, for the KV,
+        absent from `engine`), so a setting given explicitly wins; an explicit "auto" cannot be
+        told from the default and is overridden too."""
+        if self.prefill_quantization == "auto":
+            self.prefill_quantization = "fp8"
+        if self.decode_quantization == "auto":
+            self.decode_quantization = "weight-only"
+        if self.engine.get("kv_dtype", "auto") == "auto":
+            self.engine = {**self.engine, "kv_dtype": "fp8_e4m3"}
+
+    def fault_plans(self) -> dict[str, dict]:
+        """role -> KV fault plan (a dict for kv_transfer.faults.FaultPlan.from_dict)."""
+        if not self.inject_faults:
+            return {}
+        try:
+            plans = json.loads(self.inject_faults)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"inject_faults is not JSON: {e}") from e
+        if not isinstance(plans, dict) or not all(
+            r in (PREFILL, DECODE) and isinstance(p, dict) for r, p in plans.items()
+        ):
+            raise ValueError('inject_faults must be {"prefill"|"decode": {knob: value}}')
+        from kv_transfer.faults import FaultPlan
+
+        for plan in plans.values():
+            delay = plan.get("step_delay_s", 0.0)
+            if isinstance(delay, bool) or not isinstance(delay, int | float) or delay < 0:
+                raise ValueError(f"step_delay_s must be a number >= 0, got {delay!r}")
+            FaultPlan.from_dict({k: v for k, v in plan.items() if k != "step_delay_s"})
+        return plans
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return int(self.max_frame_mb * 2**20)
+
+    def pools(self) -> list[tuple[str, str]]:
+        """(worker id, role) for every worker to start."""
+        if self.mode == "colocated":
+            return [(f"replica-{i}", COLOCATED) for i in range(self.replicas)]
+        return [(f"prefill-{i}", PREFILL) for i in range(self.prefill)] + [
+            (f"decode-{i}", DECODE) for i in range(self.decode)
+        ]
+
+    def router_config(self, bind_host: str) -> RouterConfig:
+        """The router's settings; `bind_host` is `self.bind_host` with 'auto' resolved."""
+        return RouterConfig(
+            **self.router,
+            model_path=self.model,
+            served_model_name=self.served_model_name,
+            host=self.host,
+            port=self.port,
+            bind_host=bind_host,
+            api_key=self.api_key,
+            # Colocated replicas prefill everything themselves.
+            disagg_threshold=self.disagg_threshold if self.mode == "disagg" else 1 << 30,
+            max_frame_bytes=self.max_frame_bytes,
+            default_block_size=self.engine.get(
+                "block_size", field_default(EngineConfig, "block_size")
+            ),
+            max_model_len=self.engine.get("max_model_len"),
+        )
