@@ -167,15 +167,26 @@ async def stop_worker(
     return tally
 
 
-async def plain_load(server: LiveServer, case: str, policy: str, n: int, max_tokens: int):
+async def plain_load(
+    server: LiveServer,
+    case: str,
+    policy: str,
+    n: int,
+    max_tokens: int,
+    refs: dict[str, str] | None = None,
+):
     """n streams with no outside fault: for faults the server was started with (injected
-    transfer errors, a receiver that never reads)."""
+    transfer errors, a receiver that never reads). The load goes first, so that it meets the
+    injected faults; it is judged against `refs` (prompt -> text, from a healthy server; by
+    default taken from this one after the load)."""
     tally = fr.Tally(case, policy)
-
-    async def nothing() -> None:
-        return None
-
-    await under_fault(server, tally, n, max_tokens, nothing, deadline_s=90)
+    texts = prompts(n)
+    async with fr.session(150) as s:
+        outs = await asyncio.gather(
+            *(fr.guarded(fr.stream(s, server.url, p, max_tokens, None), 120) for p in texts)
+        )
+    refs = refs or await references(server.url, texts, max_tokens)
+    tally.outcomes += [o.judge(refs[p]) for o, p in zip(outs, texts, strict=True)]
     await settle(server, tally)
     return tally
 

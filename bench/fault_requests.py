@@ -26,6 +26,15 @@ class Outcome:
     status: int
     detail: str = ""
     seconds: float = 0.0
+    text: str = ""  # what the client got (judged later when there was no reference yet)
+
+    def judge(self, expect: str) -> Outcome:
+        """This outcome against a reference taken after the fact."""
+        if self.kind == CORRECT and self.text != expect:
+            return Outcome(WRONG, self.status, f"text {self.text!r} != {expect!r}", self.seconds)
+        if self.kind == ERROR and not expect.startswith(self.text):
+            return Outcome(WRONG, self.status, f"{self.text!r} is not a prefix", self.seconds)
+        return self
 
 
 @dataclass(slots=True)
@@ -82,7 +91,8 @@ async def whole(
         return _error_outcome(resp.status, text, t0)
     got = json.loads(text)["choices"][0]["text"]
     kind = CORRECT if expect is None or got == expect else WRONG
-    return Outcome(kind, 200, "" if kind == CORRECT else f"text {got!r} != {expect!r}")
+    detail = "" if kind == CORRECT else f"text {got!r} != {expect!r}"
+    return Outcome(kind, 200, detail, time.monotonic() - t0, got)
 
 
 async def stream(
@@ -122,12 +132,12 @@ async def stream(
 def _judge_stream(text: str, error: str | None, expect: str | None, t0: float) -> Outcome:
     seconds = time.monotonic() - t0
     if expect is not None and not expect.startswith(text):
-        return Outcome(WRONG, 200, f"text {text!r} is not a prefix of {expect!r}", seconds)
+        return Outcome(WRONG, 200, f"text {text!r} is not a prefix of {expect!r}", seconds, text)
     if error is not None:
-        return Outcome(ERROR, 200, error[:200], seconds)
+        return Outcome(ERROR, 200, error[:200], seconds, text)
     if expect is not None and text != expect:
-        return Outcome(WRONG, 200, f"stream ended early: {text!r}", seconds)
-    return Outcome(CORRECT, 200, "", seconds)
+        return Outcome(WRONG, 200, f"stream ended early: {text!r}", seconds, text)
+    return Outcome(CORRECT, 200, "", seconds, text)
 
 
 async def guarded(coro, deadline_s: float) -> Outcome:

@@ -136,7 +136,8 @@ class Deployment:
         for wid, role in pools:
             opts: dict = {
                 "name": f"{WORKER_PREFIX}{wid}",
-                "max_concurrency": 4,
+                # watch (always open), load polls, set_peers, drain, stop: never queued.
+                "max_concurrency": 8,
                 # Ray replaces a dead worker (a new incarnation, see cluster/controller.py);
                 # calls are never retried: a request is the router's to fail or resend.
                 "max_restarts": s.max_worker_restarts,

@@ -50,6 +50,7 @@ from router.errors import UNAVAILABLE_RETRY_AFTER_S, APIError
 from router.generation import GenerationContext
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest, RequestParser
+from router.openapi import openapi_document
 from router.pool import WorkerPool
 from router.serving import RequestRun, StreamWriter
 from router.tools import detect_tool_format
@@ -216,6 +217,12 @@ class RouterServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         info, parser = self.model_info, self.parser
         assert info is not None and parser is not None
+        document = openapi_document(parser.served_model_name)
+
+        async def openapi(request: web.Request) -> web.Response:
+            return web.json_response(document)
+
+        app.router.add_get("/openapi.json", openapi)
         add_utility_routes(
             app,
             info.tokenizer,

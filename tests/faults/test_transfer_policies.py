@@ -21,7 +21,6 @@ def error_server(fault_model, tmp_path_factory):
 
 
 def test_injected_read_errors_fail_clearly_under_error_policy(error_server):
-    # The reference requests of the case take the first 2 READs: seed the count first.
     status, body = error_server.post(
         "/v1/completions", {"prompt": fc.PROMPTS[0], "max_tokens": 4, "temperature": 0}
     )
