@@ -35,6 +35,8 @@ import logging
 import os
 import time
 
+import ray
+
 log = logging.getLogger(__name__)
 CONTROLLER_NAME = "tandem-controller"
 NAMESPACE = "tandem"
@@ -89,6 +91,7 @@ class Controller:
             task.cancel()
         return self.workers.pop(worker_id, None)
 
+    @ray.method(enable_task_events=False)  # every router asks twice a second
     async def snapshot(self) -> list[dict]:
         """Every worker the routers should know: READY and DRAINING ones with a load report,
         and DOWN ones (so that routers fail their requests at once)."""
@@ -120,8 +123,6 @@ class Controller:
             result = {"idle": False, "error": str(e)}
         self._forget(worker_id)
         await self._push_peers()
-        import ray
-
         ray.kill(w["handle"], no_restart=True)
         return {"worker_id": worker_id, **result}
 
@@ -232,8 +233,6 @@ class Controller:
         await asyncio.shield(self._recovered)
 
     async def _recover(self) -> None:
-        import ray
-
         names = [
             n["name"] if isinstance(n, dict) else n
             for n in ray.util.list_named_actors(all_namespaces=False)
@@ -249,8 +248,6 @@ class Controller:
             await asyncio.gather(*(self._poll_one(wid) for wid in list(self.workers)))
 
     async def _find(self, name: str) -> tuple[dict, object] | None:
-        import ray
-
         try:
             handle = ray.get_actor(name)
             info = await asyncio.wait_for(handle.info.remote(), self.health_timeout_s)

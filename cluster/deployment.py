@@ -200,6 +200,13 @@ class Deployment:
         ready.wait()
         if errors:
             raise errors[0]
+        # What start-up allocated (tokenizer, model info, imports) lives as long as the
+        # router: out of the collector's view, so a full collection under load scans only
+        # what serving allocates (a long pause there delays every response, 429s included).
+        import gc
+
+        gc.collect()
+        gc.freeze()
 
     # -- introspection -----------------------------------------------------------------------
     def worker_loads(self) -> dict[str, dict]:

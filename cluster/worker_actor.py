@@ -19,6 +19,8 @@ import time
 import uuid
 from dataclasses import asdict
 
+import ray
+
 
 class WorkerActor:
     def __init__(
@@ -41,8 +43,6 @@ class WorkerActor:
         # One worker per core share: never let two workers' thread pools fight.
         torch.set_num_threads(max(1, num_threads))
         if bind_host == "auto":
-            import ray
-
             bind_host = ray.util.get_node_ip_address()
         from engine.llm_engine import EngineConfig, LLMEngine
         from engine.roles import DECODE, PREFILL, check_role
@@ -95,9 +95,13 @@ class WorkerActor:
             "weights": self.weights,  # the resolved quantization, or the dtype without one
         }
 
+    # Polled several times a second: Ray's GCS would keep an event per call (memory that
+    # grows with uptime, up to its cap), for calls nobody needs to trace.
+    @ray.method(enable_task_events=False)
     def load(self) -> dict:
         return {**asdict(self.server.latest_load()), "incarnation": self.incarnation}
 
+    @ray.method(enable_task_events=False)
     def watch(self, timeout_s: float) -> str:
         """Returns after `timeout_s` (or at stop) while the process lives; the caller learns
         of its death from the call failing (see cluster/controller.py)."""

@@ -169,7 +169,7 @@ class EngineServer:
                 return
             try:
                 msg = decode(frame, self.max_frame_bytes)
-            except WireError as e:
+            except WireError as e:  # decode raises nothing else on a malformed frame
                 self.num_bad_frames += 1
                 log.error("%s: dropped a bad frame (%d bytes): %s", self.worker_id, len(frame), e)
                 continue

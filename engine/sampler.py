@@ -35,6 +35,12 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) 
     return logits
 
 
+def _most_likely(x: torch.Tensor, fallback: int) -> int:
+    finite = torch.where(torch.isnan(x), torch.full_like(x, float("-inf")), x)
+    best = int(finite.argmax())
+    return best if finite[best] > float("-inf") else fallback
+
+
 def skip_draw(generator: torch.Generator, vocab_size: int) -> None:
     """Advance `generator` exactly as one sampled token does (one multinomial over the
     vocabulary, as `sample` draws): a request continued elsewhere after a token drawn on
@@ -78,6 +84,11 @@ def sample(
             continue
         x = _filter(logits[row].float().cpu() / p.temperature, p.top_k, p.top_p, p.min_p)
         probs = x.softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            # Extreme settings (a penalty of 1e-300, ...) overflow the row: take its most
+            # likely token rather than fail the whole step, and every request in it.
+            tokens.append(_most_likely(x, greedy[row]))
+            continue
         tokens.append(
             int(torch.multinomial(probs, 1, generator=seq.generator or default_generator))
         )

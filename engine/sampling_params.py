@@ -32,6 +32,9 @@ def _check_range(name: str, v, lo: float, hi: float, lo_open: bool = False) -> N
         raise ValueError(f"{name} must be in {lo_b}{lo}, {hi}], got {v}")
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -121,7 +124,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # As vLLM: a temperature this small is greedy (dividing logits by 1e-300 overflows).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def needs_processing(self) -> bool:

@@ -77,24 +77,30 @@ def _to_plain(obj: Any) -> Any:
 
 
 def _from_plain(cls: type[T], data: Any) -> T:
+    """`cls` from its plain form; whatever is wrong with `data` (at any depth, in any
+    nested message's own validation) is a WireError, never another exception type."""
+    try:
+        return _build(cls, data)
+    except WireError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError) as e:
+        raise WireError(f"{cls.__name__}: {e}"[:500]) from e
+
+
+def _build(cls: type[T], data: Any) -> T:
     if hasattr(cls, "from_dict") and cls not in _TAGS:
         return cls.from_dict(data)
     if not isinstance(data, dict):
         raise WireError(f"{cls.__name__}: body must be a map, got {type(data).__name__}")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
-    if unknown:
-        raise WireError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    if unknown:  # keys may be str or bytes: repr them, never sort mixed types
+        raise WireError(f"{cls.__name__}: unknown fields {sorted(map(repr, unknown))[:10]}")
     kwargs = dict(data)
     for name, sub in _nested_fields(cls).items():
         if kwargs.get(name) is not None:
-            kwargs[name] = _from_plain(sub, kwargs[name])
-    try:
-        return cls(**kwargs)
-    except WireError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise WireError(f"{cls.__name__}: {e}") from e
+            kwargs[name] = _build(sub, kwargs[name])
+    return cls(**kwargs)
 
 
 def encode(msg: Any, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> bytes:

@@ -195,16 +195,23 @@ class SideChannel:
             with self._lock:
                 if self._stopping:
                     return
-            if self._router in ready:
-                self._serve_router()
-            for sock, name in list(self._socks.items()):
-                if sock in ready:
-                    self._serve_peer(sock, name)
-            now = time.monotonic()
-            if now >= next_beat:
-                next_beat = now + self._heartbeat_s
-                self._receiver.beat(now)
-            self._flush()
+            try:
+                next_beat = self._serve_round(ready, next_beat)
+            except Exception:  # noqa: BLE001 - this thread must outlive any one bad round
+                log.exception("side channel %s: a round failed; serving on", self.name)
+
+    def _serve_round(self, ready: dict, next_beat: float) -> float:
+        if self._router in ready:
+            self._serve_router()
+        for sock, name in list(self._socks.items()):
+            if sock in ready:
+                self._serve_peer(sock, name)
+        now = time.monotonic()
+        if now >= next_beat:
+            next_beat = now + self._heartbeat_s
+            self._receiver.beat(now)
+        self._flush()
+        return next_beat
 
     def _sync_sockets(self, poller: zmq.Poller) -> bool:
         """Take adopted and retired DEALERs; False when the channel is stopping."""
@@ -250,6 +257,9 @@ class SideChannel:
                 reply = self._on_router_message(ident, self._decode(parts[1:]))
             except WireError as e:
                 reply = self._reject(e)
+            except Exception as e:  # noqa: BLE001 - a frame that broke a handler: refuse it
+                log.exception("side channel: a frame broke its handler")
+                reply = self._reject(WireError(f"{type(e).__name__}: {e}"))
             if reply is not None:
                 self._send(self._router, reply, ident)
 

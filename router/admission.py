@@ -96,22 +96,33 @@ class AdmissionControl:
         self._busy_s = 0.0
         self._busy_mark: float | None = None  # start of the busy time not yet accounted
 
+    def check_room(self) -> None:
+        """Raise the 429 at once when no request at all could be admitted now: the router
+        calls this before it reads and parses a body, so that refusals stay cheap however
+        busy it is (the token limit needs the prompt, and is checked by `admit`)."""
+        max_requests = self.max_queued_requests
+        if max_requests and self.queued_requests + 1 > max_requests:
+            self._refuse(f"{self.queued_requests} requests waiting, limit {max_requests}")
+
     def admit(self, request_id: str, prompt_tokens: int) -> Ticket:
         """Queue a request, or raise APIError 429 `queue_full` (with `retry_after`)."""
         reason = self._over_limit(prompt_tokens)
         if reason is not None:
-            raise APIError(
-                429,
-                f"the router's queue is full ({reason}); retry after the Retry-After delay",
-                code="queue_full",
-                retry_after=self.retry_after_s(),
-            )
+            self._refuse(reason)
         ticket = Ticket(request_id, prompt_tokens, self)
         if self.queued_requests == 0:
             self._busy_mark = self._clock()  # idle time before this is not service time
         self.queued_requests += 1
         self.queued_prompt_tokens += prompt_tokens
         return ticket
+
+    def _refuse(self, reason: str) -> None:
+        raise APIError(
+            429,
+            f"the router's queue is full ({reason}); retry after the Retry-After delay",
+            code="queue_full",
+            retry_after=self.retry_after_s(),
+        )
 
     def _over_limit(self, prompt_tokens: int) -> str | None:
         max_requests, max_tokens = self.max_queued_requests, self.max_queued_prompt_tokens

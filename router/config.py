@@ -40,6 +40,9 @@ class RouterConfig:
         256, "prompts with fewer tokens are prefilled on the decode worker"
     )
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest HTTP request body (413 above)")
+    body_timeout_s: float = setting(
+        10.0, "a request body must arrive within this (408 after: a slow client holds nothing)"
+    )
     max_frame_bytes: int = setting(16 * 1024 * 1024, "largest ZMQ frame the token sink accepts")
     token_gap_timeout_s: float = setting(
         10.0, "an index gap in a token stream older than this fails the request"
@@ -101,6 +104,7 @@ class RouterConfig:
     def _check_limits(self) -> None:
         positive = (
             "max_body_bytes",
+            "body_timeout_s",
             "max_frame_bytes",
             "token_gap_timeout_s",
             "request_timeout_s",

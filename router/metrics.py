@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.roles import COLOCATED, DECODE, PREFILL
-from router.directory import WorkerInfo
+from router.directory import READY, WORKER_STATES, WorkerInfo
 from router.policy import LOCAL, REMOTE
 
 _LATENCY_BUCKETS = (
@@ -111,36 +111,26 @@ class WorkerCollector:
     def collect(self):
         workers = self._snapshot()
         labels = ["worker", "role"]
-        gauges = {
-            "queue": GaugeMetricFamily(
-                "tandem_queue_depth", "Requests waiting on the worker", labels=labels
-            ),
-            "running": GaugeMetricFamily(
-                "tandem_running_requests", "Requests running on the worker", labels=labels
-            ),
-            "free": GaugeMetricFamily(
-                "tandem_kv_free_blocks", "Free KV cache blocks", labels=labels
-            ),
-            "total": GaugeMetricFamily(
-                "tandem_kv_total_blocks", "Total KV cache blocks", labels=labels
-            ),
-            "usage": GaugeMetricFamily(
-                "tandem_kv_usage_ratio", "Fraction of KV blocks in use", labels=labels
-            ),
-            "queued_prefill": GaugeMetricFamily(
-                "tandem_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
-            ),
-        }
-        pools = GaugeMetricFamily("tandem_pool_size", "Workers per role", labels=["role"])
+        gauges = _worker_gauges(labels)
+        pools = GaugeMetricFamily(
+            "tandem_pool_size", "Routable (ready) workers per role", labels=["role"]
+        )
+        states = GaugeMetricFamily(
+            "tandem_workers",
+            "Workers per role and state (ready, draining, down)",
+            labels=["role", "state"],
+        )
         counters = {
             key: CounterMetricFamily(name, doc, labels=labels) for key, name, doc in _TRANSFER_KEYS
         }
         # Every role gets a sample (0 when empty), in a fixed order.
         per_role: dict[str, int] = {PREFILL: 0, DECODE: 0, COLOCATED: 0}
+        per_state = {(r, st): 0 for r in per_role for st in WORKER_STATES}
         for w in workers:
             load = w.load
             lv = [w.worker_id, w.role]
-            per_role[w.role] = per_role.get(w.role, 0) + 1
+            per_role[w.role] += w.state == READY
+            per_state[(w.role, w.state)] += 1
             gauges["queue"].add_metric(lv, load.num_waiting)
             gauges["running"].add_metric(lv, load.num_running)
             gauges["free"].add_metric(lv, load.num_free_blocks)
@@ -156,9 +146,33 @@ class WorkerCollector:
                     counters[key].add_metric(lv, float(value))
         for role, n in per_role.items():
             pools.add_metric([role], n)
+        for (role, state), n in per_state.items():
+            states.add_metric([role, state], n)
         yield from gauges.values()
         yield pools
+        yield states
         yield from counters.values()
+
+
+def _worker_gauges(labels: list[str]) -> dict[str, GaugeMetricFamily]:
+    return {
+        "queue": GaugeMetricFamily(
+            "tandem_queue_depth", "Requests waiting on the worker", labels=labels
+        ),
+        "running": GaugeMetricFamily(
+            "tandem_running_requests", "Requests running on the worker", labels=labels
+        ),
+        "free": GaugeMetricFamily("tandem_kv_free_blocks", "Free KV cache blocks", labels=labels),
+        "total": GaugeMetricFamily(
+            "tandem_kv_total_blocks", "Total KV cache blocks", labels=labels
+        ),
+        "usage": GaugeMetricFamily(
+            "tandem_kv_usage_ratio", "Fraction of KV blocks in use", labels=labels
+        ),
+        "queued_prefill": GaugeMetricFamily(
+            "tandem_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
+        ),
+    }
 
 
 class RouterMetrics:

@@ -167,6 +167,8 @@ class RequestParser:
         from router.tools import validate_tools
 
         tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is not None and not isinstance(tools, list):  # 0, false, "", {}: refused
+            raise bad_request(f"tools must be a list, got {type(tools).__name__}", "tools")
         if not tools:
             if choice not in (None, "none", "auto"):
                 raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
@@ -264,6 +266,8 @@ class RequestParser:
         top_k = body.get("top_k")
         if top_k is None:
             top_k = d.get("top_k", -1)
+        if not _is_int(top_k):  # before the == 0 below, which false would pass
+            raise bad_request(f"top_k must be -1, 0 or a positive int, got {top_k!r}", "top_k")
         if top_k == 0:
             top_k = -1  # vLLM: 0 and -1 both mean "no top-k"
         if not _is_int(top_k) or top_k < -1:
@@ -426,8 +430,10 @@ class RequestParser:
                 if not isinstance(msg[name], str):
                     raise bad_request(f"messages[{i}].{name} must be a string", "messages")
                 out[name] = msg[name]
-        if msg.get("tool_calls"):
-            out["tool_calls"] = self._message_tool_calls(msg["tool_calls"], i)
+        if msg.get("tool_calls") is not None:  # [] is none; 0, false, "", {} are refused
+            calls = self._message_tool_calls(msg["tool_calls"], i)
+            if calls:
+                out["tool_calls"] = calls
         return out
 
     @staticmethod
@@ -444,7 +450,7 @@ class RequestParser:
             args = fn.get("arguments", "{}")
             try:
                 args = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError as e:
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
                 raise bad_request(
                     f"messages[{i}].tool_calls arguments are not JSON: {e}", "messages"
                 ) from e
@@ -490,9 +496,17 @@ class RequestParser:
                 "continue_final_message needs the last message to be the assistant's",
                 "continue_final_message",
             )
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if "chat_template" in kwargs or "tokenize" in kwargs:
+            # A template from the request would run a client's Jinja in the router (vLLM
+            # refuses it too unless told to trust request templates).
+            raise bad_request(
+                "chat_template_kwargs may not set 'chat_template' or 'tokenize'",
+                "chat_template_kwargs",
+            )
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,

@@ -156,7 +156,7 @@ def _schema_text(schema: Any, param: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
             raise bad_request(f"'{param}' is not valid JSON: {e}", param) from e
     if not isinstance(schema, dict | bool):
         raise bad_request(f"'{param}' must be a JSON schema object", param)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from router.openai_api import ParsedRequest
 
@@ -46,7 +47,10 @@ def ignored_headers(parsed: ParsedRequest) -> dict[str, str]:
     """Unknown request fields, named back to the client (router/request_fields.py)."""
     if not parsed.ignored_fields:
         return {}
-    return {"X-Tandem-Ignored-Fields": ",".join(parsed.ignored_fields)[:1000]}
+    # Names are the client's: percent-quoted, so a control character or a comma in one can
+    # neither break the header nor split it.
+    names = ",".join(quote(name, safe="") for name in parsed.ignored_fields)
+    return {"X-Tandem-Ignored-Fields": names[:1000]}
 
 
 def completion_body(

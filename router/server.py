@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from engine.roles import DECODING_ROLES
 from router import responses
 from router.admission import AdmissionControl, Ticket
+from router.body import read_json
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
@@ -230,6 +231,7 @@ class RouterServer:
             info.max_model_len,
             tandem_version(),
             parser.chat_prompt_ids,
+            body_timeout_s=self.config.body_timeout_s,
         )
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request on the workers (the Generation's pieces() is closed).
@@ -406,33 +408,46 @@ class RouterServer:
     # ------------------------------------------------------------------ generation routes
 
     async def _read_json(self, request: web.Request) -> Any:
-        raw = await request.read()  # raises 413 over client_max_size
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+        return await read_json(request, self.config.body_timeout_s)  # 408 / 413 / 400
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        if (refusal := self._early_refusal()) is not None:
+            return refusal
         body = await self._read_json(request)
         assert self.parser is not None
         parsed = self.parser.parse_completion(body)
         return await self._serve(request, parsed, f"cmpl-{uuid.uuid4().hex}")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        if (refusal := self._early_refusal()) is not None:
+            return refusal
         body = await self._read_json(request)
         assert self.parser is not None
         parsed = self.parser.parse_chat(body)
         return await self._serve(request, parsed, f"chatcmpl-{uuid.uuid4().hex}")
 
-    def _admit(self, parsed: ParsedRequest, rid: str) -> Ticket:
-        """A place in the admission queue, or APIError 503 `draining` / 429 `queue_full`:
-        synchronous, so a refusal never waits on a worker."""
+    def _early_refusal(self) -> web.Response | None:
+        """503 `draining` or 429 `queue_full` before the body is even read (the cheapest
+        answer an overloaded router can give), or None."""
+        try:
+            self._check_draining()
+            self.admission.check_room()
+        except APIError as e:
+            return self._refuse(e)
+        return None
+
+    def _check_draining(self) -> None:
         if self._draining:
             raise APIError(
                 503,
                 "the router is draining (shutting down) and takes no new requests; retry",
                 code="draining",
             )
+
+    def _admit(self, parsed: ParsedRequest, rid: str) -> Ticket:
+        """A place in the admission queue, or APIError 503 `draining` / 429 `queue_full`:
+        synchronous, so a refusal never waits on a worker."""
+        self._check_draining()
         return self.admission.admit(rid, sum(len(p) for p in parsed.prompts))
 
     def _refuse(self, e: APIError) -> web.Response:

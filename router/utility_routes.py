@@ -19,14 +19,14 @@ answers with `max_model_len` beside the count instead (vLLM skips its length che
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 
 from router import request_fields as rf
-from router.errors import APIError, bad_request
+from router.body import read_json
+from router.errors import bad_request
 
 _PROMPT_FIELDS = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
 _CHAT_FIELDS = frozenset({"model", "messages", "add_generation_prompt", "return_token_strs"})
@@ -40,6 +40,7 @@ def add_utility_routes(
     max_model_len: int,
     version: str,
     parse_chat_prompt: Callable[[dict], list[int]] | None,
+    body_timeout_s: float = 10.0,
 ) -> None:
     """Register /tokenize, /detokenize and /version on `app`.
 
@@ -47,7 +48,9 @@ def add_utility_routes(
     `body["add_generation_prompt"]`) and returns the ids, raising `APIError` for bad input; None
     when the model has no chat template, which makes the messages form a 400.
     """
-    routes = _UtilityRoutes(tokenizer, served_model_name, max_model_len, version, parse_chat_prompt)
+    routes = _UtilityRoutes(
+        tokenizer, served_model_name, max_model_len, version, parse_chat_prompt, body_timeout_s
+    )
     app.router.add_post("/tokenize", routes.tokenize)
     app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/version", routes.version)
@@ -61,7 +64,9 @@ class _UtilityRoutes:
         max_model_len: int,
         version: str,
         parse_chat_prompt: Callable[[dict], list[int]] | None,
+        body_timeout_s: float,
     ) -> None:
+        self.body_timeout_s = body_timeout_s
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -132,11 +137,7 @@ class _UtilityRoutes:
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def _read_body(self, request: web.Request) -> dict:
-        raw = await request.read()  # over the app's client_max_size: 413 via the middleware
-        try:
-            body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from e
+        body = await read_json(request, self.body_timeout_s)  # 408 / 413 / 400
         rf.check_body_and_model(body, self.served_model_name)
         return body
 

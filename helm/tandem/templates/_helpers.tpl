@@ -99,6 +99,10 @@ keys to change.
 {{- if gt (int $v.ports.nixl.first) (int $v.ports.nixl.last) }}
 {{- fail "ports.nixl.first must be <= ports.nixl.last" }}
 {{- end }}
+{{- $home := trimSuffix "/" $v.scratch.home.mountPath }}
+{{- if or (has $home (list "/tmp" "/tmp/ray" "/dev/shm" (trimSuffix "/" $v.model.mountPath))) (hasPrefix "/tmp/" $home) }}
+{{- fail (printf "scratch.home.mountPath (%s) must not be /tmp, /dev/shm, model.mountPath or under /tmp: those are mounted already" $v.scratch.home.mountPath) }}
+{{- end }}
 {{- if gt (int $v.ray.ports.minWorkerPort) (int $v.ray.ports.maxWorkerPort) }}
 {{- fail "ray.ports.minWorkerPort must be <= ray.ports.maxWorkerPort" }}
 {{- end }}
@@ -119,6 +123,9 @@ keys to change.
 {{/* Environment every Ray container shares: the data-plane port ranges and UCX settings. */}}
 {{- define "tandem.commonEnv" -}}
 {{- $v := .ctx.Values -}}
+# The image's own HOME may be read-only: Ray and the caches write under this emptyDir.
+- name: HOME
+  value: {{ $v.scratch.home.mountPath | quote }}
 - name: TANDEM_ZMQ_PORT_RANGE
   value: {{ printf "%d-%d" (int $v.ports.zmq.first) (int $v.ports.zmq.last) | quote }}
 - name: UCX_TCP_PORT_RANGE
@@ -139,12 +146,32 @@ keys to change.
 {{- end }}
 {{- end }}
 
-{{/* Volumes every Ray pod has: /dev/shm in memory and, when given, the model. (dict "ctx" $ "shmSize" "4Gi") */}}
+{{/* An emptyDir with an optional sizeLimit: (dict "name" "tmp" "sizeLimit" "") */}}
+{{- define "tandem.emptyDir" -}}
+- name: {{ .name }}
+  {{- if .sizeLimit }}
+  emptyDir:
+    sizeLimit: {{ .sizeLimit }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
+
+{{/*
+Volumes every Ray pod has: /dev/shm in memory, the scratch emptyDirs a read-only root
+filesystem needs (/tmp, Ray's /tmp/ray, HOME) and, when given, the model.
+(dict "ctx" $ "shmSize" "4Gi")
+*/}}
 {{- define "tandem.volumes" -}}
+{{- $scratch := .ctx.Values.scratch -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ .shmSize }}
+{{ include "tandem.emptyDir" (dict "name" "tmp" "sizeLimit" $scratch.tmp.sizeLimit) }}
+{{/* ray-logs: the name KubeRay gives /tmp/ray, so its autoscaler sidecar mounts this one. */ -}}
+{{ include "tandem.emptyDir" (dict "name" "ray-logs" "sizeLimit" $scratch.ray.sizeLimit) }}
+{{ include "tandem.emptyDir" (dict "name" "home" "sizeLimit" $scratch.home.sizeLimit) }}
 {{- with .ctx.Values.model.volume }}
 - name: model
   {{- toYaml . | nindent 2 }}
@@ -154,11 +181,30 @@ keys to change.
 {{- define "tandem.volumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
+{{ include "tandem.scratchMounts" . }}
 {{- if .Values.model.volume }}
 - name: model
   mountPath: {{ .Values.model.mountPath }}
   readOnly: true
 {{- end }}
+{{- end }}
+
+{{/* The writable scratch mounts (the autoscaler sidecar gets /tmp/ray from KubeRay). */}}
+{{- define "tandem.scratchMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: ray-logs
+  mountPath: /tmp/ray
+- name: home
+  mountPath: {{ .Values.scratch.home.mountPath }}
+{{- end }}
+
+{{/* A head probe: the chart's path on the router port, the timings from head.probes. (dict "path" "/health" "timing" .Values.head.probes.startup) */}}
+{{- define "tandem.probe" -}}
+httpGet:
+  path: {{ .path }}
+  port: http
+{{ toYaml .timing }}
 {{- end }}
 
 {{/* Ray ports every node binds to fixed numbers, so the NetworkPolicy and firewalls can name them. */}}

@@ -1,0 +1,281 @@
+"""The `tandem serve` under test and the processes it runs, for the soak and overload benchmarks.
+
+`ServeSession.start` runs `tandem serve` as a subprocess in a new session (so every process it
+starts, Ray's GCS, raylet and actor workers included, shares one session id);
+`ServeSession.attach` finds the session of the process listening on a URL's port. Either way
+`.processes()` lists the session's live processes, `.metrics()` / `.kv_blocks()` read the
+router's /metrics, and `.stop()` (only for a started one) sends SIGTERM and reports the exit
+code and any process left behind.
+
+`Sampler` records RSS and open fds of every process of the session: a timeline every
+`interval_s` on a thread (for the plot) and named snapshots ("start", "warm", "end");
+`growth()` compares "warm" with "end" per process and summed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+MB = 1024 * 1024
+
+
+# --------------------------------------------------------------------------- the server
+
+
+@dataclass(slots=True)
+class ServeSession:
+    """A `tandem serve` this script started (`proc` set) or one it attached to (`proc` None).
+    `session_id` is the session every process of it shares (Ray's GCS, raylet, actors...)."""
+
+    url: str
+    session_id: int
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must be http(s)://host:port, got {self.url!r}")
+
+    @classmethod
+    def start(cls, model: Path, workdir: Path, flags: list[str], timeout: float = 300.0):
+        workdir.mkdir(parents=True, exist_ok=True)
+        ready, log_path = workdir / "serve-ready.json", workdir / "serve.log"
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port"]
+        cmd += ["0", "--ready-file", str(ready), *flags]
+        with open(log_path, "w") as out:
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.time() + timeout
+        while not ready.exists():
+            if proc.poll() is not None or time.time() > deadline:
+                _kill_group(proc)
+                tail = log_path.read_text()[-3000:]
+                raise RuntimeError(f"tandem serve did not start ({' '.join(cmd)}):\n{tail}")
+            time.sleep(0.3)
+        time.sleep(0.2)  # the file is written in one call, but give it a beat to be whole
+        url = json.loads(ready.read_text())["url"]
+        return cls(url, proc.pid, proc, log_path)
+
+    @classmethod
+    def attach(cls, url: str) -> ServeSession:
+        port = int(url.rstrip("/").rsplit(":", 1)[1])
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+                return cls(url.rstrip("/"), os.getsid(conn.pid))
+        raise RuntimeError(f"no process of this user listens on port {port} ({url})")
+
+    def processes(self) -> list[psutil.Process]:
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) == self.session_id:
+                    out.append(p)
+            except (ProcessLookupError, PermissionError):
+                continue
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r"^(tandem_[a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$", line)
+            if m:
+                out[m.group(1)] = float(m.group(2))
+        return out
+
+    def kv_blocks(self) -> dict[str, dict[str, float]]:
+        """worker -> {free, total} from /metrics."""
+        out: dict[str, dict[str, float]] = {}
+        for key, value in self.metrics().items():
+            m = re.match(r'tandem_kv_(free|total)_blocks\{.*worker="([^"]+)"', key)
+            if m:
+                out.setdefault(m.group(2), {})[m.group(1)] = value
+        return out
+
+    def wait_kv_free(self, timeout: float) -> dict[str, dict[str, float]]:
+        """Poll until free == total on every worker (load reports lag a beat) or timeout."""
+        deadline = time.time() + timeout
+        while True:
+            blocks = self.kv_blocks()
+            if blocks and all(b.get("free") == b.get("total") for b in blocks.values()):
+                return blocks
+            if time.time() > deadline:
+                return blocks
+            time.sleep(0.5)
+
+    def stop(self) -> dict[str, Any]:
+        """SIGTERM and wait; the exit code and any process the session left behind."""
+        if self.proc is None:
+            return {"exit_code": None, "leftovers": []}
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.proc)
+        deadline, left = time.time() + 20, []
+        while time.time() < deadline:
+            left = [f"{p.pid} {_cmdline(p)[:120]}" for p in self.processes()]
+            if not left:
+                break
+            time.sleep(0.5)
+        return {"exit_code": self.proc.returncode, "leftovers": left}
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "?"
+
+
+# --------------------------------------------------------------------------- process samples
+
+# Ray's helper processes, named by what their command line runs.
+_RAY_PARTS = (
+    ("gcs_server", "ray gcs_server"),
+    ("raylet", "ray raylet"),
+    ("dashboard.py", "ray dashboard"),
+    ("log_monitor.py", "ray log_monitor"),  # before monitor.py, which it contains
+    ("monitor.py", "ray monitor"),
+)
+
+
+def process_label(cmdline: str, pid: int, leader: int) -> str:
+    if pid == leader:
+        return "tandem serve (driver + router)"
+    if cmdline.startswith("ray::"):
+        # Ray retitles an actor's process with the method it runs ("ray::Name.step"): keep
+        # the actor part, so one process keeps one name.
+        return cmdline.split()[0].split(".")[0]
+    for part, name in _RAY_PARTS:
+        if part in cmdline:
+            return name
+    return cmdline.split("/")[-1][:40]
+
+
+def sample_processes(session: ServeSession) -> dict[int, dict[str, Any]]:
+    """pid -> {name, rss (bytes), fds} of every live process of the session."""
+    out = {}
+    for p in session.processes():
+        try:
+            with p.oneshot():
+                out[p.pid] = {
+                    "name": process_label(_cmdline(p), p.pid, session.session_id),
+                    "rss": p.memory_info().rss,
+                    "fds": p.num_fds(),
+                }
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+@dataclass(slots=True)
+class Sampler:
+    """Samples the session's processes every `interval_s` on a thread (the plot's data) and
+    keeps named snapshots ("start", "warm", "end") for the growth checks."""
+
+    session: ServeSession
+    interval_s: float
+    t0: float = field(default_factory=time.monotonic)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    snapshots: dict[str, dict[int, dict[str, Any]]] = field(default_factory=dict)
+    marks: dict[str, float] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s}")
+
+    def snapshot(self, name: str) -> dict[int, dict[str, Any]]:
+        snap = sample_processes(self.session)
+        self.snapshots[name] = snap
+        self.marks[name] = time.monotonic() - self.t0
+        self._record(snap)
+        return snap
+
+    def _record(self, snap: dict[int, dict[str, Any]]) -> None:
+        procs = {str(pid): [s["rss"], s["fds"]] for pid, s in snap.items()}
+        self.timeline.append({"t": round(time.monotonic() - self.t0, 2), "procs": procs})
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._record(sample_processes(self.session))
+
+    def __enter__(self) -> Sampler:
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
+def growth(snapshots: dict[str, dict[int, dict[str, Any]]], max_pct: float) -> dict[str, Any]:
+    """Per-process and summed RSS/fd growth from "warm" to "end" (processes alive at both),
+    the processes over `max_pct`, and those that appeared or went away after warm-up."""
+    start, warm, end = snapshots["start"], snapshots["warm"], snapshots["end"]
+    rows, over = [], []
+    for pid in sorted(set(warm) & set(end)):
+        row: dict[str, Any] = {"pid": pid, "name": end[pid]["name"]}
+        for metric in ("rss", "fds"):
+            w, e = warm[pid][metric], end[pid][metric]
+            row[metric] = {"start": start.get(pid, {}).get(metric), "warm": w, "end": e}
+            row[f"{metric}_growth_pct"] = round(100.0 * (e - w) / w, 2) if w else 0.0
+            if row[f"{metric}_growth_pct"] >= max_pct:
+                over.append({"pid": pid, "name": row["name"], "metric": metric, "warm": w})
+                over[-1] |= {"end": e, "growth_pct": row[f"{metric}_growth_pct"]}
+        rows.append(row)
+    totals = {}
+    for metric in ("rss", "fds"):
+        w = sum(r[metric]["warm"] for r in rows)
+        e = sum(r[metric]["end"] for r in rows)
+        s = sum(start[p][metric] for p in start)
+        pct = round(100.0 * (e - w) / w, 2) if w else 0.0
+        totals[metric] = {"start": s, "warm": w, "end": e, "growth_pct": pct}
+    appeared = [{"pid": p} | end[p] for p in sorted(set(end) - set(warm))]
+    gone = [{"pid": p} | warm[p] for p in sorted(set(warm) - set(end))]
+    return {"processes": rows, "totals": totals, "over": over, "appeared": appeared, "gone": gone}
+
+
+def idle_growth(
+    snapshots: dict[str, dict[int, dict[str, Any]]], marks: dict[str, float]
+) -> dict[int, float]:
+    """pid -> the RSS growth % a process showed with no requests ("idle0" -> "idle1"), scaled
+    to the length of "warm" -> "end": what time alone (Ray's own periodic work) adds."""
+    idle0, idle1 = snapshots["idle0"], snapshots["idle1"]
+    scale = (marks["end"] - marks["warm"]) / (marks["idle1"] - marks["idle0"])
+    return {
+        pid: round(100.0 * scale * (idle1[pid]["rss"] - s["rss"]) / s["rss"], 2)
+        for pid, s in idle0.items()
+        if pid in idle1 and s["rss"]
+    }
