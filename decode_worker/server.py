@@ -244,6 +244,7 @@ class DecodeServer(EngineServer):
             "expired_leases": st.expired_leases,
             "transfer_gbps": st.gbps,
             "refused_peers": st.refused_peers,
+            "rejected_frames": st.rejected_frames,
         }
 
     def close(self) -> None:

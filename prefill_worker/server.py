@@ -144,6 +144,7 @@ class PrefillServer(EngineServer):
             "transfer_bytes": st.bytes_served,
             "transfer_seconds": st.serve_seconds,
             "refused_peers": st.refused_peers,
+            "rejected_frames": st.rejected_frames,
             "restarted_leases": st.restarted_leases,
             "released": dict(self.released_reasons),
         }

@@ -72,6 +72,11 @@ _TRANSFER_KEYS = (
         "KV handshakes or hand-offs refused: the peer is not in the registry (or stale)",
     ),
     (
+        "rejected_frames",
+        "tandem_kv_rejected_frames",
+        "Malformed, oversized or out-of-order frames a worker's KV side channel refused",
+    ),
+    (
         "restarted_leases",
         "tandem_kv_restarted_leases",
         "KV leases released at once because their reader was replaced by a new incarnation",

@@ -464,6 +464,7 @@ ERRORS = {
     401: ("Unauthorized", "missing or wrong bearer key (a server started with --api-key)", False),
     404: ("NotFound", "unknown path, or a `model` other than the served one", False),
     405: ("MethodNotAllowed", "the path exists with another method", False),
+    408: ("RequestTimeout", "the body did not arrive within --body-timeout-s", False),
     413: ("PayloadTooLarge", f"the body is over {_BODY_LIMIT}", False),
     429: ("TooManyRequests", "admission is full: retry after Retry-After seconds", True),
     500: ("InternalError", "a worker failed the request", False),
@@ -546,7 +547,7 @@ def _generation(op_id: str, request: str, answer: str, checks: dict[str, str]) -
     sse = _t("string", description="`data: {chunk}` events, then `data: [DONE]`")
     ok["content"]["text/event-stream"] = {"schema": sse}
     ok["headers"] = {"X-Tandem-Ignored-Fields": {"$ref": "#/components/headers/IgnoredFields"}}
-    return _post(op_id, request, ok, (400, 401, 404, 413, 429, 500, 503, 504), checks)
+    return _post(op_id, request, ok, (400, 401, 404, 408, 413, 429, 500, 503, 504), checks)
 
 
 def _get(op_id: str, ok: Schema, *statuses: int) -> Schema:
@@ -572,7 +573,7 @@ def _paths() -> dict[str, Schema]:
         "description": "Prometheus text",
         "content": {"text/plain": {"schema": _t("string")}},
     }
-    utility = (400, 401, 404, 413)
+    utility = (400, 401, 404, 408, 413)
     tokenized = _json(_ref("TokenizeResponse"), "the prompt's token ids")
     detokenized = _json(_ref("DetokenizeResponse"), "the ids' text")
     return {
