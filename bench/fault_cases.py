@@ -65,15 +65,9 @@ async def under_fault(
     texts = prompts(n)
     refs = await references(server.url, texts, max_tokens)
     async with fr.session(deadline_s + 30) as s:
-        started = [asyncio.Event() for _ in texts]
-        tasks = [
-            asyncio.create_task(
-                fr.guarded(fr.stream(s, server.url, p, max_tokens, refs[p], ev), deadline_s)
-            )
-            for p, ev in zip(texts, started, strict=True)
-        ]
+        tasks, started = launch_streams(s, server.url, texts, refs, max_tokens, deadline_s)
         if inject_after_s is None:
-            await _wait_all(started, tasks, 10.0)
+            await wait_started(started, tasks, 10.0)
         else:
             await asyncio.sleep(inject_after_s)
         await inject()
@@ -81,7 +75,24 @@ async def under_fault(
     return texts[0], refs[texts[0]]
 
 
-async def _wait_all(events: list[asyncio.Event], tasks: list[asyncio.Task], timeout_s: float):
+def launch_streams(
+    session, url: str, texts: list[str], refs: dict[str, str], max_tokens: int, deadline_s: float
+) -> tuple[list[asyncio.Task], list[asyncio.Event]]:
+    """One judged stream per prompt, running; each event is set at its stream's first text."""
+    started = [asyncio.Event() for _ in texts]
+    tasks = [
+        asyncio.create_task(
+            fr.guarded(fr.stream(session, url, p, max_tokens, refs[p], ev), deadline_s)
+        )
+        for p, ev in zip(texts, started, strict=True)
+    ]
+    return tasks, started
+
+
+async def wait_started(
+    events: list[asyncio.Event], tasks: list[asyncio.Task], timeout_s: float
+) -> None:
+    """Until every stream has its first text (or ended), or `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(e.is_set() or t.done() for e, t in zip(events, tasks, strict=True)):
@@ -257,12 +268,8 @@ async def restart_router(server: LiveServer, workdir, n: int, max_tokens: int):
     refs = await references(router.url, texts, max_tokens)
     aborts_before = _worker_aborts(server)
     async with fr.session(120) as s:
-        started = [asyncio.Event() for _ in texts]
-        tasks = [
-            asyncio.create_task(fr.guarded(fr.stream(s, router.url, p, max_tokens, refs[p], e), 60))
-            for p, e in zip(texts, started, strict=True)
-        ]
-        await _wait_all(started, tasks, 10.0)
+        tasks, started = launch_streams(s, router.url, texts, refs, max_tokens, 60)
+        await wait_started(started, tasks, 10.0)
         router.kill("router", signal.SIGKILL)
         t0 = time.monotonic()
         lost = await asyncio.gather(*tasks)

@@ -1,50 +1,12 @@
-"""A live `tandem serve` per test module, started with fault-injection knobs, and the checks
-every fault case shares: no wrong answer, no leaked KV block, a clean exit at the end."""
+"""The tiny model every fault case serves (helpers: fault_helpers.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 from pathlib import Path
 
 import pytest
-
-from bench.fault_requests import Tally
-from bench.live_server import LiveServer
-
-# Prompts of 8+ tokens take the prefill worker and the KV hand-off (all the cases' prompts).
-BASE_FLAGS = ("--dtype", "float32", "--disagg-threshold", "8", "--log-level", "WARNING")
 
 
 @pytest.fixture(scope="session")
 def fault_model(make_tiny_model) -> Path:
     return make_tiny_model("llama")
-
-
-@contextlib.contextmanager
-def live_server(model: Path, workdir: Path, *flags: str, faults: dict | None = None):
-    extra = ("--inject-faults", json.dumps(faults)) if faults else ()
-    server = LiveServer(model, workdir, *BASE_FLAGS, *flags, *extra).start()
-    try:
-        yield server
-    finally:
-        code = server.stop()
-    assert code == 0, f"tandem serve exited with {code}:\n{server.log_text()[-3000:]}"
-    assert server.leftovers() == [], "tandem serve left processes behind"
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-def check(tally: Tally, *, correct: int | None = None, errors: int | None = None) -> None:
-    """Never a wrong answer, never a leaked block; and the expected split, where given."""
-    row = tally.row()
-    print(row)  # the per-case outcome, in the test log
-    assert row["wrong"] == 0, tally.wrong_details()
-    assert row["leaked_blocks"] == 0, row
-    if correct is not None:
-        assert row["correct"] == correct, row
-    if errors is not None:
-        assert row["clear_errors"] == errors, row

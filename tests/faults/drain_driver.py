@@ -19,12 +19,8 @@ async def load_and_drain(dep: Deployment, n: int, max_tokens: int) -> tuple[list
     texts = fc.prompts(n)
     refs = await fc.references(dep.url, texts, max_tokens)
     async with fr.session(120) as s:
-        started = [asyncio.Event() for _ in texts]
-        tasks = [
-            asyncio.create_task(fr.guarded(fr.stream(s, dep.url, p, max_tokens, refs[p], e), 90))
-            for p, e in zip(texts, started, strict=True)
-        ]
-        await fc._wait_all(started, tasks, 10.0)
+        tasks, started = fc.launch_streams(s, dep.url, texts, refs, max_tokens, 90)
+        await fc.wait_started(started, tasks, 10.0)
         drained = await asyncio.to_thread(dep.drain_worker, "decode-1", 60.0)
         # Requests sent after the drain must land on the worker that is left.
         after = [fr.guarded(fr.whole(s, dep.url, p, 8, None), 60) for p in fc.prompts(4)]

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import live_server
+from fault_helpers import live_server
 
 from bench import fault_cases as fc
 from bench import fault_requests as fr
@@ -24,12 +24,8 @@ async def _sigterm_under_load(server, n: int, max_tokens: int):
     texts = fc.prompts(n)
     refs = await fc.references(server.url, texts, max_tokens)
     async with fr.session(120) as s:
-        started = [asyncio.Event() for _ in texts]
-        tasks = [
-            asyncio.create_task(fr.guarded(fr.stream(s, server.url, p, max_tokens, refs[p], e), 90))
-            for p, e in zip(texts, started, strict=True)
-        ]
-        await fc._wait_all(started, tasks, 10.0)
+        tasks, started = fc.launch_streams(s, server.url, texts, refs, max_tokens, 90)
+        await fc.wait_started(started, tasks, 10.0)
         server.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         body = fr.completion_body(texts[0], 4, False)

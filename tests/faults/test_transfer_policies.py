@@ -7,7 +7,7 @@ or are released; the receiver frees what it allocated)."""
 from __future__ import annotations
 
 import pytest
-from conftest import check, live_server, run
+from fault_helpers import check, live_server, run
 
 from bench import fault_cases as fc
 

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from conftest import check, live_server, run
+from fault_helpers import check, live_server, run
 
 from bench import fault_cases as fc
 
