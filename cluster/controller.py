@@ -132,6 +132,7 @@ class Controller:
         return after a restart the fast recovery signal."""
         while worker_id in self.workers:
             w = self.workers[worker_id]
+            t0 = time.monotonic()
             try:
                 incarnation = await w["handle"].watch.remote(_WATCH_S)
             except asyncio.CancelledError:
@@ -142,6 +143,8 @@ class Controller:
                 continue
             if incarnation != w.get("incarnation"):
                 await self._reregister(worker_id)
+            elif time.monotonic() - t0 < _WATCH_S / 2:
+                await asyncio.sleep(1.0)  # a stopped worker answers at once: do not spin
 
     async def _poll_one(self, worker_id: str) -> None:
         w = self.workers.get(worker_id)

@@ -265,6 +265,19 @@ class EngineServer:
                 "%s: %s went away; aborting its %d requests", self.worker_id, endpoint, len(orphans)
             )
         for rid in orphans:
+            # Queued for the reconnect: were the drop only a blip, the router learns of the
+            # abort (a clear 503) instead of waiting for tokens that will never come.
+            self.replies.send(
+                endpoint,
+                TokenMessage(
+                    rid,
+                    0,
+                    [],
+                    finish_reason="abort",
+                    error="the worker lost its connection to the router",
+                    worker_id=self.worker_id,
+                ),
+            )
             self.abort(rid)
 
     def fail_all(self, message: str) -> None:
