@@ -137,18 +137,8 @@ async def kill_worker(
     """SIGKILL a worker with n streams in flight: once all have their first text, or
     `after_s` after they were sent (a prefill worker, with the decode worker's READs held
     back longer than that: during the READ)."""
-    tally = fr.Tally(f"SIGKILL {worker}" + (" during READ" if after_s else ""), policy)
-    killed_at: list[float] = []
-
-    async def inject() -> None:
-        server.kill(worker, signal.SIGKILL)
-        killed_at.append(time.monotonic())
-
-    probe = await under_fault(server, tally, n, max_tokens, inject, inject_after_s=after_s)
-    tally.recovery_s, seen_503 = await recover(server, killed_at[0], probe, max_tokens)
-    tally.notes = "/ready 503 seen" if seen_503 else "/ready stayed 200"
-    await settle(server, tally)
-    return tally
+    name = f"SIGKILL {worker}" + (" during READ" if after_s else "")
+    return await _signal_worker(server, worker, name, policy, n, max_tokens, after_s, None)
 
 
 async def stop_worker(
@@ -161,18 +151,34 @@ async def stop_worker(
     after_s: float | None = None,
 ):
     """SIGSTOP a worker (hung, not dead) for `stop_s`, then SIGCONT; when, as kill_worker."""
-    tally = fr.Tally(f"SIGSTOP {worker} {stop_s:g}s", policy)
-    stopped_at: list[float] = []
+    name = f"SIGSTOP {worker} {stop_s:g}s"
+    return await _signal_worker(server, worker, name, policy, n, max_tokens, after_s, stop_s)
+
+
+async def _signal_worker(
+    server: LiveServer,
+    worker: str,
+    case: str,
+    policy: str,
+    n: int,
+    max_tokens: int,
+    after_s: float | None,
+    stop_s: float | None,
+):
+    """The fault: SIGKILL (`stop_s` None) or SIGSTOP for `stop_s` then SIGCONT."""
+    tally = fr.Tally(case, policy)
+    hit_at: list[float] = []
 
     async def inject() -> None:
-        server.kill(worker, signal.SIGSTOP)
-        stopped_at.append(time.monotonic())
-        asyncio.get_running_loop().call_later(stop_s, lambda: server.kill(worker, signal.SIGCONT))
+        server.kill(worker, signal.SIGKILL if stop_s is None else signal.SIGSTOP)
+        hit_at.append(time.monotonic())
+        if stop_s is not None:
+            resume = lambda: server.kill(worker, signal.SIGCONT)  # noqa: E731
+            asyncio.get_running_loop().call_later(stop_s, resume)
 
-    probe = await under_fault(
-        server, tally, n, max_tokens, inject, deadline_s=stop_s + 60, inject_after_s=after_s
-    )
-    tally.recovery_s, seen_503 = await recover(server, stopped_at[0], probe, max_tokens)
+    deadline_s = 60 + (stop_s or 0)
+    probe = await under_fault(server, tally, n, max_tokens, inject, deadline_s, after_s)
+    tally.recovery_s, seen_503 = await recover(server, hit_at[0], probe, max_tokens)
     tally.notes = "/ready 503 seen" if seen_503 else "/ready stayed 200"
     await settle(server, tally)
     return tally

@@ -43,8 +43,8 @@ class LiveServer:
         self.ready_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", self.model]
         cmd += ["--port", "0", "--ready-file", str(self.ready_file), *self.flags]
-        if not self.router_only:
-            cmd += ["--num-cpus", "2"]
+        if not self.router_only and "--num-cpus" not in self.flags:
+            cmd += ["--num-cpus", "2"]  # a worker per core on the 2-core box, by default
         log = open(self.log_path, "a")
         repo = Path(__file__).resolve().parents[1]
         self.proc = subprocess.Popen(
@@ -150,21 +150,11 @@ class LiveServer:
         return time.monotonic() - t0
 
     def metrics(self) -> dict[str, float]:
-        out = {}
-        for line in self.get("/metrics")[1].splitlines():
-            m = _METRIC_LINE.match(line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
+        return parse_metrics(self.get("/metrics")[1])
 
     def kv_blocks(self) -> dict[str, tuple[float, float]]:
         """Worker id -> (free, total) KV blocks, from the workers' latest load reports."""
-        out: dict[str, list[float]] = {}
-        for key, value in self.metrics().items():
-            m = re.match(r'tandem_kv_(free|total)_blocks\{.*worker="([^"]+)"', key)
-            if m:
-                out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "total"] = value
-        return {w: (v[0], v[1]) for w, v in out.items()}
+        return kv_block_counts(self.metrics())
 
     def wait_blocks_free(self, timeout_s: float = 30.0) -> int:
         """Blocks not back (total - free, summed over workers) once all are back or at the
@@ -176,3 +166,23 @@ class LiveServer:
             if (blocks and leaked == 0) or time.monotonic() > deadline:
                 return leaked if blocks else -1
             time.sleep(0.3)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """tandem's samples of a Prometheus text page: `name{labels}` -> value."""
+    out = {}
+    for line in text.splitlines():
+        m = _METRIC_LINE.match(line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def kv_block_counts(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """Worker id -> (free, total) KV blocks, from parsed /metrics."""
+    out: dict[str, list[float]] = {}
+    for key, value in metrics.items():
+        m = re.match(r'tandem_kv_(free|total)_blocks\{.*worker="([^"]+)"', key)
+        if m:
+            out.setdefault(m.group(2), [0.0, 0.0])[m.group(1) == "total"] = value
+    return {w: (v[0], v[1]) for w, v in out.items()}

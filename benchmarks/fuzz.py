@@ -29,12 +29,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # allow `python benchmarks/fuzz.py` from anywhere
     sys.path.insert(0, str(REPO))
-if str(REPO / "tests") not in sys.path:  # tests/e2e's ServeProcess, as the tests import it
-    sys.path.insert(0, str(REPO / "tests"))
 
 from hypothesis import HealthCheck, Phase, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from bench.live_server import LiveServer, kv_block_counts, parse_metrics  # noqa: E402
 from router.openapi import openapi_document  # noqa: E402
 from tests.fuzz import hostile  # noqa: E402
 from tests.fuzz.live import Checker, Request, send, still_serving  # noqa: E402
@@ -114,9 +113,9 @@ def fuzz_frames(serve, frames: int, rng_seed: int, tally: Tally) -> dict:
     """Worker request sockets, then KV side channels; returns the bad-frame counter check."""
     import zmq
 
-    from tests.fuzz.frames import bad_frame_counts, worker_counts, worker_endpoints, worker_messages
+    from tests.fuzz.frames import bad_frame_counts, worker_counts, worker_messages
 
-    endpoints = worker_endpoints(serve.log_path.read_text())
+    endpoints = serve.endpoints()
     before = bad_frame_counts(serve.metrics())
     ctx = zmq.Context()
     expected: Counter = Counter()
@@ -177,15 +176,13 @@ def _side_channels(ctx, endpoints: dict, n: int, rng_seed: int, tally: Tally):
     return to_side_channels
 
 
-def _metric_values(url: str) -> dict[str, str]:
-    text = send(url, Request("GET", "/metrics")).body.decode()
-    return dict(re.findall(r"^(tandem_[a-z_]+\{[^}]*\}) (\S+)$", text, re.M))
+def _metric_values(url: str) -> dict[str, float]:
+    return parse_metrics(send(url, Request("GET", "/metrics")).body.decode())
 
 
 def blocks_free(url: str) -> bool:
-    values = _metric_values(url)
-    free = {k: v for k, v in values.items() if k.startswith("tandem_kv_free_blocks")}
-    return bool(free) and all(values.get(k.replace("free", "total")) == v for k, v in free.items())
+    blocks = kv_block_counts(_metric_values(url))
+    return bool(blocks) and all(free == total for free, total in blocks.values())
 
 
 def remote_handoff(url: str, model: str) -> dict:
@@ -204,9 +201,7 @@ def remote_handoff(url: str, model: str) -> dict:
     return {"status": ans.status, "seconds": seconds, "recomputed": recomputes() - before}
 
 
-def _start(model: str | None, served_name: str):
-    from e2e.conftest import ServeProcess
-
+def _start(model: str | None, served_name: str) -> LiveServer:
     from engine.make_model import cached_model
 
     path = (
@@ -216,7 +211,7 @@ def _start(model: str | None, served_name: str):
     )
     tmp = REPO / "benchmarks" / ".cache" / f"fuzz-serve-{int(time.time())}"
     tmp.mkdir(parents=True)
-    return ServeProcess(path, tmp, *SERVE_FLAGS, "--served-model-name", served_name)
+    return LiveServer(path, tmp, *SERVE_FLAGS, "--served-model-name", served_name).start()
 
 
 def report(tally: Tally, frames: dict | None, after: dict, seconds: float) -> dict:

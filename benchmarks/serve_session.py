@@ -1,7 +1,8 @@
 """The `tandem serve` under test and the processes it runs, for the soak and overload benchmarks.
 
-`ServeSession.start` runs `tandem serve` as a subprocess in a new session (so every process it
-starts, Ray's GCS, raylet and actor workers included, shares one session id);
+`ServeSession.start` runs `tandem serve` as a subprocess in a new session
+(`bench.live_server.LiveServer`: every process it starts, Ray's GCS, raylet and actor workers
+included, shares one session id);
 `ServeSession.attach` finds the session of the process listening on a URL's port. Either way
 `.processes()` lists the session's live processes, `.metrics()` / `.kv_blocks()` read the
 router's /metrics, and `.stop()` (only for a started one) sends SIGTERM and reports the exit
@@ -14,12 +15,7 @@ code and any process left behind.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -29,7 +25,8 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.live_server import LiveServer, kv_block_counts, parse_metrics
+
 MB = 1024 * 1024
 
 
@@ -38,39 +35,27 @@ MB = 1024 * 1024
 
 @dataclass(slots=True)
 class ServeSession:
-    """A `tandem serve` this script started (`proc` set) or one it attached to (`proc` None).
-    `session_id` is the session every process of it shares (Ray's GCS, raylet, actors...)."""
+    """A `tandem serve` this script started (`server` set) or one it attached to (`server`
+    None). `session_id` is the session every process of it shares (Ray's GCS, raylet,
+    actors...)."""
 
     url: str
     session_id: int
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
+    server: LiveServer | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must be http(s)://host:port, got {self.url!r}")
 
+    @property
+    def log_path(self) -> Path | None:
+        return None if self.server is None else self.server.log_path
+
     @classmethod
     def start(cls, model: Path, workdir: Path, flags: list[str], timeout: float = 300.0):
-        workdir.mkdir(parents=True, exist_ok=True)
-        ready, log_path = workdir / "serve-ready.json", workdir / "serve.log"
-        ready.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port"]
-        cmd += ["0", "--ready-file", str(ready), *flags]
-        with open(log_path, "w") as out:
-            proc = subprocess.Popen(
-                cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.time() + timeout
-        while not ready.exists():
-            if proc.poll() is not None or time.time() > deadline:
-                _kill_group(proc)
-                tail = log_path.read_text()[-3000:]
-                raise RuntimeError(f"tandem serve did not start ({' '.join(cmd)}):\n{tail}")
-            time.sleep(0.3)
-        time.sleep(0.2)  # the file is written in one call, but give it a beat to be whole
-        url = json.loads(ready.read_text())["url"]
-        return cls(url, proc.pid, proc, log_path)
+        server = LiveServer(model, workdir, *flags).start(timeout)
+        assert server.proc is not None
+        return cls(server.url, server.proc.pid, server)
 
     @classmethod
     def attach(cls, url: str) -> ServeSession:
@@ -92,22 +77,12 @@ class ServeSession:
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out = {}
-        for line in text.splitlines():
-            m = re.match(r"^(tandem_[a-z_]+(?:\{[^}]*\})?) ([-0-9.e+]+)$", line)
-            if m:
-                out[m.group(1)] = float(m.group(2))
-        return out
+            return parse_metrics(r.read().decode())
 
     def kv_blocks(self) -> dict[str, dict[str, float]]:
         """worker -> {free, total} from /metrics."""
-        out: dict[str, dict[str, float]] = {}
-        for key, value in self.metrics().items():
-            m = re.match(r'tandem_kv_(free|total)_blocks\{.*worker="([^"]+)"', key)
-            if m:
-                out.setdefault(m.group(2), {})[m.group(1)] = value
-        return out
+        counts = kv_block_counts(self.metrics())
+        return {w: {"free": free, "total": total} for w, (free, total) in counts.items()}
 
     def wait_kv_free(self, timeout: float) -> dict[str, dict[str, float]]:
         """Poll until free == total on every worker (load reports lag a beat) or timeout."""
@@ -122,30 +97,16 @@ class ServeSession:
 
     def stop(self) -> dict[str, Any]:
         """SIGTERM and wait; the exit code and any process the session left behind."""
-        if self.proc is None:
+        if self.server is None:
             return {"exit_code": None, "leftovers": []}
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                _kill_group(self.proc)
+        code = self.server.stop()
         deadline, left = time.time() + 20, []
         while time.time() < deadline:
             left = [f"{p.pid} {_cmdline(p)[:120]}" for p in self.processes()]
             if not left:
                 break
             time.sleep(0.5)
-        return {"exit_code": self.proc.returncode, "leftovers": left}
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(10)
+        return {"exit_code": code, "leftovers": left}
 
 
 def _cmdline(p: psutil.Process) -> str:

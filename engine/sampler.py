@@ -83,15 +83,16 @@ def sample(
             tokens.append(greedy[row])
             continue
         x = _filter(logits[row].float().cpu() / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = x.softmax(-1)
-        if not bool(torch.isfinite(probs).all()):
+        try:  # the row is on the CPU, where a NaN / inf distribution raises (no extra scan)
+            token = torch.multinomial(
+                x.softmax(-1), 1, generator=seq.generator or default_generator
+            )
+        except RuntimeError:
             # Extreme settings (a penalty of 1e-300, ...) overflow the row: take its most
             # likely token rather than fail the whole step, and every request in it.
             tokens.append(_most_likely(x, greedy[row]))
             continue
-        tokens.append(
-            int(torch.multinomial(probs, 1, generator=seq.generator or default_generator))
-        )
+        tokens.append(int(token))
     entries: list[tuple | None] = [None] * len(seqs)
     for j, row in enumerate(want):
         entries[row] = token_logprobs(raw[j], tokens[row], seqs[row].sampling.logprobs)

@@ -100,9 +100,9 @@ class AdmissionControl:
         """Raise the 429 at once when no request at all could be admitted now: the router
         calls this before it reads and parses a body, so that refusals stay cheap however
         busy it is (the token limit needs the prompt, and is checked by `admit`)."""
-        max_requests = self.max_queued_requests
-        if max_requests and self.queued_requests + 1 > max_requests:
-            self._refuse(f"{self.queued_requests} requests waiting, limit {max_requests}")
+        reason = self._requests_full()
+        if reason is not None:
+            self._refuse(reason)
 
     def admit(self, request_id: str, prompt_tokens: int) -> Ticket:
         """Queue a request, or raise APIError 429 `queue_full` (with `retry_after`)."""
@@ -124,10 +124,16 @@ class AdmissionControl:
             retry_after=self.retry_after_s(),
         )
 
-    def _over_limit(self, prompt_tokens: int) -> str | None:
-        max_requests, max_tokens = self.max_queued_requests, self.max_queued_prompt_tokens
+    def _requests_full(self) -> str | None:
+        max_requests = self.max_queued_requests
         if max_requests and self.queued_requests + 1 > max_requests:
             return f"{self.queued_requests} requests waiting, limit {max_requests}"
+        return None
+
+    def _over_limit(self, prompt_tokens: int) -> str | None:
+        max_tokens = self.max_queued_prompt_tokens
+        if (reason := self._requests_full()) is not None:
+            return reason
         if (
             max_tokens
             and self.queued_requests > 0

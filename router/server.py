@@ -116,6 +116,20 @@ def load_model_info(config: RouterConfig) -> ModelInfo:
     return ModelInfo(tokenizer, int(max_len), int(vocab), defaults, eos_ids)
 
 
+def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
+    """The router's request parser for `info`'s model, structured-output checks included."""
+    return RequestParser(
+        info.tokenizer,
+        config.served_model_name or config.model_path,
+        info.max_model_len,
+        info.vocab_size,
+        config.completion_default_max_tokens,
+        generation_defaults=info.generation_defaults,
+        check_structured=RouterServer._structured_checker(info),
+        tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
+    )
+
+
 class RouterServer:
     def __init__(
         self,
@@ -170,16 +184,7 @@ class RouterServer:
         if self.model_info is None:
             self.model_info = await asyncio.to_thread(load_model_info, self.config)
         info = self.model_info
-        self.parser = RequestParser(
-            info.tokenizer,
-            self.config.served_model_name or self.config.model_path,
-            info.max_model_len,
-            info.vocab_size,
-            self.config.completion_default_max_tokens,
-            generation_defaults=info.generation_defaults,
-            check_structured=self._structured_checker(info),
-            tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
-        )
+        self.parser = request_parser(self.config, info)
         self._generation_context = GenerationContext(
             self.config, self.pool, self.dataplane, self.metrics, info.tokenizer, self._spawn
         )

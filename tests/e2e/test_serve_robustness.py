@@ -6,7 +6,6 @@ aborted and its KV blocks freed."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import time
 import urllib.error
@@ -42,15 +41,6 @@ def _post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def _endpoints(server) -> dict[str, tuple[str, str]]:
-    out = {}
-    for m in re.finditer(
-        r"tandem:\s+(\S+)\s+\S+\s+requests (\S+)\s+kv (\S+)", server.log_path.read_text()
-    ):
-        out[m.group(1)] = (m.group(2), m.group(3))
-    return out
-
-
 def _completion_ok(server) -> None:
     status, body = _post(
         server.url,
@@ -61,7 +51,7 @@ def _completion_ok(server) -> None:
 
 
 def test_bad_frames_are_dropped_and_worker_keeps_serving(server):
-    endpoints = _endpoints(server)
+    endpoints = server.endpoints()
     assert set(endpoints) == {"prefill-0", "decode-0"}
     ctx = zmq.Context()
     try:
@@ -94,7 +84,7 @@ def test_bad_frames_are_dropped_and_worker_keeps_serving(server):
 
 
 def test_internal_sockets_bind_loopback_only(server):
-    endpoints = _endpoints(server)
+    endpoints = server.endpoints()
     internal = [ep for pair in endpoints.values() for ep in pair if ep != "-"]
     assert internal and all(ep.startswith("tcp://127.0.0.1:") for ep in internal), internal
     listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout

@@ -43,3 +43,18 @@ def test_limits_equal_greedy(make_tiny_model):
         prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=3, ignore_eos=True)
     )
     assert hot[0].token_ids != greedy[0].token_ids
+
+
+def test_extreme_settings_never_fail_the_batch(make_tiny_model):
+    """A temperature of 5e-324 is greedy; a repetition penalty of 5e-324 overflows its row to
+    inf/NaN, which takes the row's most likely token instead of failing the whole step: the
+    other request in the batch is unaffected."""
+    llm = LLM(make_tiny_model("llama"), dtype="float32")
+    prompt = [3, 4, 5, 6, 7]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tiny_t = SamplingParams(max_tokens=8, temperature=5e-324, ignore_eos=True)
+    overflow = SamplingParams(max_tokens=8, repetition_penalty=5e-324, seed=1, ignore_eos=True)
+    alone = llm.generate([prompt], greedy)[0].token_ids
+    out = llm.generate([prompt, prompt, prompt], [greedy, tiny_t, overflow])
+    assert out[0].token_ids == out[1].token_ids == alone
+    assert len(out[2].token_ids) == 8

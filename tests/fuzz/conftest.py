@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from e2e.conftest import start_serve  # noqa: F401 - the fixture, shared with tests/e2e
+from hypothesis import HealthCheck, Phase, settings
 
 from router.openapi import openapi_document
 
@@ -18,6 +19,18 @@ SERVE_FLAGS = (
     "--dtype", "float32", "--served-model-name", SERVED, "--disagg-threshold", "8",
     "--max-frame-mb", "1", "--max-body-bytes", str(BODY_LIMIT), "--body-timeout-s", "3",
 )  # fmt: skip
+
+
+# For a live, stateful target: no shrinking (a frame that kills a thread fails every later one,
+# and shrinking against a server is slow), so a failure is reported as drawn; test_edge_case and
+# the frame tests' explicit examples hold a minimal input of every kind found so far.
+LIVE_SETTINGS = settings(
+    phases=(Phase.explicit, Phase.generate),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 @pytest.fixture(scope="session")
@@ -39,21 +52,9 @@ def doc() -> dict:
 
 @pytest.fixture(scope="session")
 def parser(fuzz_model):
-    """A RequestParser as RouterServer._start builds it (structured-output checks included)."""
+    """The RequestParser RouterServer builds (structured-output checks included)."""
     from router.config import RouterConfig
-    from router.openai_api import RequestParser
-    from router.server import RouterServer, load_model_info
-    from router.tools import detect_tool_format
+    from router.server import load_model_info, request_parser
 
     config = RouterConfig(model_path=str(fuzz_model), served_model_name=SERVED)
-    info = load_model_info(config)
-    return RequestParser(
-        info.tokenizer,
-        SERVED,
-        info.max_model_len,
-        info.vocab_size,
-        config.completion_default_max_tokens,
-        generation_defaults=info.generation_defaults,
-        check_structured=RouterServer._structured_checker(info),
-        tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
-    )
+    return request_parser(config, load_model_info(config))

@@ -227,12 +227,6 @@ def side_channel_answer(parts: list[bytes]) -> type:
     return ErrorReply
 
 
-def worker_endpoints(serve_log: str) -> dict[str, tuple[str, str]]:
-    """worker id -> (request endpoint, kv endpoint), from the line serve prints per worker."""
-    pattern = r"tandem:\s+(\S+)\s+\S+\s+requests (\S+)\s+kv (\S+)"
-    return {m[1]: (m[2], m[3]) for m in re.finditer(pattern, serve_log)}
-
-
 def bad_frame_counts(metrics: dict[str, float]) -> dict[str, float]:
     """worker id -> tandem_worker_bad_frames_total, from ServeProcess.metrics()."""
     out = {}

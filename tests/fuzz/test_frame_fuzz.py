@@ -22,11 +22,12 @@ from collections import Counter
 import pytest
 import zmq
 from e2e.e2e_helpers import TransferCheck
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.wire import decode
 
+from .conftest import LIVE_SETTINGS as FRAME_SETTINGS
 from .conftest import SERVED
 from .frames import (
     KNOWN_BAD,
@@ -34,24 +35,9 @@ from .frames import (
     bad_frame_counts,
     side_channel_answer,
     worker_counts,
-    worker_endpoints,
     worker_messages,
 )
 from .live import Request, json_request, send, still_serving
-
-# No shrinking: the target is stateful (a frame that kills a thread fails every later one), so
-# the first failing frame is the one to report; the serve log's traceback says what broke.
-FRAME_SETTINGS = settings(
-    phases=(Phase.explicit, Phase.generate),
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
-
-
-def _endpoints(server) -> dict[str, tuple[str, str]]:
-    return worker_endpoints(server.log_path.read_text())
 
 
 def _log_errors(server) -> str:
@@ -121,7 +107,7 @@ def _workers_alive(server, names) -> None:
 
 
 def test_worker_request_sockets(server, zmq_context):
-    endpoints = _endpoints(server)
+    endpoints = server.endpoints()
     assert set(endpoints) == {"prefill-0", "decode-0"}
     before = _bad_frames(server)
     streaming = _Streaming(server.url, tokens=900)
@@ -159,7 +145,7 @@ def test_worker_request_sockets(server, zmq_context):
 
 
 def test_kv_side_channels(server, zmq_context, fuzz_model):
-    endpoints = _endpoints(server)
+    endpoints = server.endpoints()
     transfers = TransferCheck(server, fuzz_model)
     dealers = {}
     for name, (_, kv_ep) in endpoints.items():

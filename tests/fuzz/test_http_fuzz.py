@@ -18,11 +18,12 @@ import time
 import urllib.parse
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 
 from router.openapi import openapi_document
 
 from .conftest import BODY_LIMIT, SERVED
+from .conftest import LIVE_SETTINGS as FUZZ_SETTINGS
 from .hostile import (
     LIVE_LIMITS,
     path_requests,
@@ -32,16 +33,6 @@ from .hostile import (
 )
 from .live import Checker, Request, json_request, send, still_serving
 from .schema_gen import SchemaGen
-
-# No shrinking: each failure is reported as drawn (a live server makes shrinking slow, and
-# test_edge_case holds a minimal body of every kind found so far).
-FUZZ_SETTINGS = settings(
-    phases=(Phase.explicit, Phase.generate),
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
 
 
 @pytest.fixture(scope="module")
