@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from engine.wire import decode
 
 from .conftest import LIVE_SETTINGS as FRAME_SETTINGS
-from .conftest import SERVED
+from .conftest import SERVE_FLAGS, SERVED
 from .frames import (
     KNOWN_BAD,
     MESSAGES,
@@ -94,6 +94,18 @@ class _Streaming(threading.Thread):
         assert usage["completion_tokens"] == self.tokens, usage
 
 
+# Decode steps slowed to 10 ms (the testing-only fault seam): the long stream below then lasts
+# about 9 s on any machine, so the fuzzed frames surely meet it (at full speed the tiny model
+# decodes 900 tokens in under a second, and a slow box could finish before the first frame).
+SLOW_DECODE = ("--inject-faults", json.dumps({"decode": {"step_delay_s": 0.01}}))
+
+
+@pytest.fixture(scope="module")
+def server(fuzz_model, start_serve):  # noqa: F811 - overrides the conftest's server
+    with start_serve(fuzz_model, *SERVE_FLAGS, *SLOW_DECODE) as sp:
+        yield sp
+
+
 @pytest.fixture
 def zmq_context():
     ctx = zmq.Context()
@@ -113,6 +125,7 @@ def test_worker_request_sockets(server, zmq_context):
     streaming = _Streaming(server.url, tokens=900)
     streaming.start()
     assert streaming.started.wait(120)
+    assert streaming.status == 200 and streaming.is_alive(), (streaming.status, streaming.events)
     pushes = {}
     for name, (request_ep, _) in endpoints.items():
         pushes[name] = zmq_context.socket(zmq.PUSH)
