@@ -19,7 +19,7 @@ These are the per-worker numbers the planner's sizing rule needs: prefill tokens
 prompt length, and the decode step time against context length. Only engine/ is needed; the
 default model is the demo's cached `small` checkpoint (`engine.make_model.cached_model`).
 The flags are generated from `ProfileConfig`; `--model` (optional here) and `--out` are not
-config fields.
+config fields. `--capacity` runs bench/capacity.py instead (the planner's capacity profile).
 """
 
 from __future__ import annotations
@@ -409,9 +409,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_OUT,
         help="directory for profile.json and the PNGs (default: %(default)s)",
     )
+    p.add_argument(
+        "--capacity",
+        action="store_true",
+        help="measure a capacity profile for the planner instead (bench/capacity.py)",
+    )
+    from bench.capacity import add_arguments as add_capacity_arguments
+
+    add_capacity_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.capacity:
+        from bench.capacity import run as run_capacity
+
+        return run_capacity(args)
     model = args.model
     if model is None:
         from engine.make_model import cached_model

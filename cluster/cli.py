@@ -16,6 +16,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "serve"), "bench.cli", "benchmark an OpenAI-compatible server"),
     (("bench", "kv-transfer"), "bench.kv_transfer", "NIXL vs memcpy bandwidth"),
     (("profile",), "bench.profile", "prefill/decode latency profile of one worker"),
+    (("plan",), "cluster.plan", "size the pools for hardware not at hand from a roofline model"),
+    (("simulate",), "cluster.simulator.cli", "trace-driven simulation of the scaled pools"),
 ]
 
 

@@ -37,18 +37,28 @@ import time
 
 import ray
 
+from cluster.worker_launch import WORKER_PREFIX
+
 log = logging.getLogger(__name__)
 CONTROLLER_NAME = "tandem-controller"
 NAMESPACE = "tandem"
-WORKER_PREFIX = "tandem-worker-"
 READY, DOWN, DRAINING = "ready", "down", "draining"
 _WATCH_S = 5.0  # a watch call returns this often while the worker lives
 
 
 class Controller:
-    def __init__(self, health_interval_s: float = 0.25, health_timeout_s: float = 5.0):
+    def __init__(
+        self,
+        health_interval_s: float = 0.25,
+        health_timeout_s: float = 5.0,
+        autoscale: dict | None = None,
+    ):
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
+        # `tandem serve --autoscale`: the planner's settings (cluster/autoscaler.py). Ray
+        # constructs a restarted controller with them again, so its planner comes back too.
+        self._autoscale_args = autoscale
+        self.autoscaler = None
         self.workers: dict[str, dict] = {}
         self._tasks: dict[str, list[asyncio.Task]] = {}  # per worker: watch, polls
         self._recovered: asyncio.Task | None = None
@@ -125,6 +135,37 @@ class Controller:
         await self._push_peers()
         ray.kill(w["handle"], no_restart=True)
         return {"worker_id": worker_id, **result}
+
+    # -- autoscaling -------------------------------------------------------------------------
+    async def start_autoscaler(self) -> bool:
+        """Start the planner loop (once the launch-time workers are registered)."""
+        await self._ready()
+        self._start_autoscaler()
+        return self.autoscaler is not None
+
+    def _start_autoscaler(self) -> None:
+        if self._autoscale_args is None or self.autoscaler is not None:
+            return
+        from cluster.autoscaler import Autoscaler
+
+        self.autoscaler = Autoscaler(self, self._autoscale_args)
+        self.autoscaler.start()
+
+    @ray.method(enable_task_events=False)  # every router, every few seconds
+    async def report_signals(self, router_id: str, window: dict) -> None:
+        """A router's window of traffic signals, for the planner (dropped when it is off)."""
+        if self.autoscaler is not None:
+            self.autoscaler.report(router_id, window)
+
+    @ray.method(enable_task_events=False)
+    async def planner_status(self) -> dict:
+        """What routers export as tandem_planner_* metrics."""
+        await self._ready()
+        return self.autoscaler.status() if self.autoscaler else {"enabled": False}
+
+    async def stop_autoscaler(self) -> None:
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
 
     # -- liveness ----------------------------------------------------------------------------
     async def _watch(self, worker_id: str) -> None:
@@ -249,6 +290,7 @@ class Controller:
             log.warning("controller recovered %d workers from the cluster", len(self.workers))
             await self._push_peers()
             await asyncio.gather(*(self._poll_one(wid) for wid in list(self.workers)))
+            self._start_autoscaler()  # a restart: the deployment will not ask again
 
     async def _find(self, name: str) -> tuple[dict, object] | None:
         try:

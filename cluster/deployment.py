@@ -23,9 +23,11 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 
 from cluster.settings import ServeSettings
-from engine.roles import DECODE, PREFILL
+from cluster.worker_launch import WORKER_PREFIX, WorkerSpec, launch_worker
+from engine.roles import COLOCATED, DECODE, PREFILL
 
 log = logging.getLogger("tandem.serve")
 
@@ -65,6 +67,7 @@ class Deployment:
         if self.s.router_only:
             self.controller = ray.get_actor(CONTROLLER_NAME)
         else:
+            spec = self.worker_spec()
             self.controller = (
                 ray.remote(Controller)
                 .options(
@@ -74,11 +77,14 @@ class Deployment:
                     max_concurrency=64,
                     max_restarts=-1,
                 )
-                .remote()
+                # A restarted controller is constructed with these again: the planner too.
+                .remote(autoscale=self._autoscale_args(spec))
             )
             print(f"tandem: controller pid {ray.get(self.controller.pid.remote())}", flush=True)
-            self._start_workers()
+            self._start_workers(spec)
             self._register_workers()
+            if self.s.autoscale:
+                ray.get(self.controller.start_autoscaler.remote())
         self._start_router()
         print(
             f"tandem: serving {self.s.served_model_name or self.s.model} on {self.url} "
@@ -86,6 +92,17 @@ class Deployment:
             flush=True,
         )
         return self
+
+    def _autoscale_args(self, spec: WorkerSpec) -> dict | None:
+        """What the controller's autoscaler needs (plain dicts), or None without --autoscale."""
+        if not self.s.autoscale:
+            return None
+        return {
+            "spec": spec.to_dict(),
+            "planner": asdict(self.s.planner_config()),
+            "profile": self.s.capacity_profile_data().to_dict(),
+            "drain_timeout_s": self.s.drain_timeout_s,
+        }
 
     def _register_workers(self) -> None:
         import ray
@@ -120,50 +137,38 @@ class Deployment:
             self._started_ray = True
             print(f"tandem: ray {ray.get_runtime_context().gcs_address}", flush=True)
 
-    def _start_workers(self) -> None:
+    def worker_spec(self) -> WorkerSpec:
+        """How every worker of this deployment is built (the autoscaler builds more alike)."""
         import ray
 
-        from cluster.controller import WORKER_PREFIX
-        from cluster.worker_actor import WorkerActor
-
         s = self.s
-        pools = s.pools()
         resources = ray.cluster_resources()
-        use_gpu = resources.get("GPU", 0) > 0
-        cpu_share = max(resources.get("CPU", 1) / len(pools), 0.01)
-        engine_kwargs = {"model": s.model, **s.engine}
-        faults = s.fault_plans()
+        # Each worker's CPU share: of the largest fleet the deployment may grow to.
+        fleet = max(len(s.pools()), s.max_workers())
+        return WorkerSpec(
+            engine_kwargs={"model": s.model, **s.engine},
+            quantization={r: self._quantization(r) for r in (PREFILL, DECODE, COLOCATED)},
+            bind_host=s.bind_host,
+            use_gpu=resources.get("GPU", 0) > 0,
+            cpus_per_worker=max(resources.get("CPU", 1) / fleet, 0.01),
+            lease_seconds=s.lease_seconds,
+            on_transfer_failure=s.on_transfer_failure,
+            log_level=s.log_level,
+            max_frame_bytes=s.max_frame_bytes,
+            kv_read_timeout_s=s.kv_read_timeout_s,
+            max_restarts=s.max_worker_restarts,
+            resources={
+                role: name
+                for role, name in ((PREFILL, s.prefill_resource), (DECODE, s.decode_resource))
+                if name
+            },
+            faults=s.fault_plans(),
+        )
+
+    def _start_workers(self, spec: WorkerSpec) -> None:
+        pools = self.s.pools()
         for wid, role in pools:
-            opts: dict = {
-                "name": f"{WORKER_PREFIX}{wid}",
-                # watch (always open), load polls, set_peers, drain, stop: never queued.
-                "max_concurrency": 8,
-                # Ray replaces a dead worker (a new incarnation, see cluster/controller.py);
-                # calls are never retried: a request is the router's to fail or resend.
-                "max_restarts": s.max_worker_restarts,
-                "max_task_retries": 0,
-            }
-            opts.update({"num_gpus": 1, "num_cpus": 1} if use_gpu else {"num_cpus": cpu_share})
-            resource = {PREFILL: s.prefill_resource, DECODE: s.decode_resource}.get(role)
-            if resource:
-                opts["resources"] = {resource: 1}
-            self.actors[wid] = (
-                ray.remote(WorkerActor)
-                .options(**opts)
-                .remote(
-                    wid,
-                    role,
-                    {**engine_kwargs, "quantization": self._quantization(role)},
-                    s.bind_host,
-                    max(1, int(cpu_share)),
-                    s.lease_seconds,
-                    s.on_transfer_failure,
-                    s.log_level,
-                    s.max_frame_bytes,
-                    faults.get(role),
-                    s.kv_read_timeout_s,
-                )
-            )
+            self.actors[wid] = launch_worker(spec, wid, role)
         print(
             f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})", flush=True
         )
@@ -231,6 +236,8 @@ class Deployment:
             self.router.begin_drain()
             print(f"tandem: draining (up to {timeout_s:.0f}s)", flush=True)
             idle = self._on_router_loop(self.router.wait_idle(timeout_s), timeout_s + 5)
+        if not self.s.router_only:
+            self._adopt_planner_workers()
         if self.actors and not self.s.router_only:
             left = max(0.0, deadline - time.monotonic())
             calls = [a.drain.remote(left, 0.1) for a in self.actors.values()]
@@ -265,9 +272,30 @@ class Deployment:
         if self._started_ray:
             ray.shutdown()
 
+    def _adopt_planner_workers(self) -> None:
+        """Add the workers the planner started (named actors) to `actors`, so that drain and
+        stop reach them too; the planner is stopped first, so that it starts no more."""
+        import ray
+
+        if self.controller is None or not self.s.autoscale:
+            return
+        try:
+            ray.get(self.controller.stop_autoscaler.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001 - a dead controller starts nothing either
+            log.warning("stopping the planner: %s", e)
+        for entry in ray.util.list_named_actors(all_namespaces=False):
+            name = entry["name"] if isinstance(entry, dict) else entry
+            wid = name.removeprefix(WORKER_PREFIX)
+            if name.startswith(WORKER_PREFIX) and wid not in self.actors:
+                try:
+                    self.actors[wid] = ray.get_actor(name)
+                except ValueError:  # drained and gone meanwhile
+                    pass
+
     def _stop_actors(self) -> None:
         import ray
 
+        self._adopt_planner_workers()
         stops = [a.stop.remote() for a in self.actors.values()]
         try:
             ray.get(stops, timeout=15)

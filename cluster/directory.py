@@ -1,4 +1,9 @@
-"""`WorkerDirectory` for the router, backed by the controller actor."""
+"""`WorkerDirectory` for the router, backed by the controller actor.
+
+Beyond `snapshot()`, the router's signal loop (router/signal_recorder.py) calls
+`report_signals` (one planner window of its traffic, a `router.signals.WindowSignals` as a
+dict) and `planner_status` (the planner's state for the router's /metrics) every
+`signal_interval_s`; both are plain actor calls, timed out and logged by the router."""
 
 from __future__ import annotations
 
@@ -26,6 +31,12 @@ class ControllerDirectory:
             )
             for r in rows
         ]
+
+    async def report_signals(self, router_id: str, window: dict) -> None:
+        await self.controller.report_signals.remote(router_id, window)
+
+    async def planner_status(self) -> dict | None:
+        return await self.controller.planner_status.remote()
 
 
 def _load(row: dict) -> WorkerLoad:

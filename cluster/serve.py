@@ -19,8 +19,10 @@ import sys
 import threading
 
 from cluster.deployment import Deployment
+from cluster.planner.config import PlannerConfig
 from cluster.settings import (
     ENGINE_FIELDS_FROM_SERVE,
+    PLANNER_FIELDS_FROM_SERVE,
     ROUTER_FIELDS_FROM_SERVE,
     ServeSettings,
 )
@@ -35,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServeSettings)
     add_flags(p, RouterConfig, title="router", exclude=ROUTER_FIELDS_FROM_SERVE)
     add_flags(p, EngineConfig, title="engine", exclude=ENGINE_FIELDS_FROM_SERVE)
+    add_flags(p, PlannerConfig, title="planner (--autoscale)", exclude=PLANNER_FIELDS_FROM_SERVE)
     p.add_argument("--ready-file", default=None, help="write {url, pid} as JSON here when serving")
 
 
@@ -45,6 +48,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         **values,
         engine=values_from_args(EngineConfig, args, exclude=ENGINE_FIELDS_FROM_SERVE),
         router=values_from_args(RouterConfig, args, exclude=ROUTER_FIELDS_FROM_SERVE),
+        planner=values_from_args(PlannerConfig, args, exclude=PLANNER_FIELDS_FROM_SERVE),
     )
 
 

@@ -37,6 +37,8 @@ ROUTER_FIELDS_FROM_SERVE = frozenset(
         "default_block_size",
     }
 )
+# PlannerConfig fields `tandem serve` sets from its own settings (one flag, one meaning).
+PLANNER_FIELDS_FROM_SERVE = frozenset({"disagg_threshold"})
 # EngineConfig fields a deployment sets per worker, never from the command line.
 ENGINE_FIELDS_FROM_SERVE = frozenset({"model", "role", "device", "quantization"})
 
@@ -135,6 +137,17 @@ class ServeSettings:
         "e.g. "
         '\'{"decode": {"read_delay_s": 2}}\'',
     )
+    autoscale: bool = setting(
+        False,
+        "size the prefill and decode pools with the planner (cluster/planner/): the bounds, "
+        "SLO targets and interval are the planner flags; needs --capacity-profile",
+    )
+    capacity_profile: str | None = setting(
+        None,
+        "capacity profile JSON of one worker (`tandem profile --capacity` or `tandem plan --out`)"
+        " that the planner sizes the pools with",
+    )
+    planner: dict = setting(default_factory=dict, cli=False)  # PlannerConfig overrides
     engine: dict = setting(default_factory=dict, cli=False)  # EngineConfig overrides
     router: dict = setting(default_factory=dict, cli=False)  # RouterConfig overrides
 
@@ -165,12 +178,51 @@ class ServeSettings:
         for what, overrides, owned in (
             ("engine", self.engine, ENGINE_FIELDS_FROM_SERVE),
             ("router", self.router, ROUTER_FIELDS_FROM_SERVE),
+            ("planner", self.planner, PLANNER_FIELDS_FROM_SERVE),
         ):
             clash = sorted(set(overrides) & owned)
             if clash:
                 raise ValueError(f"{what} overrides {clash} are set by ServeSettings itself")
         if self.quantized:
             self._apply_quantized_profile()
+        if self.autoscale:
+            self._check_autoscale()
+
+    def _check_autoscale(self) -> None:
+        if self.mode != "disagg":
+            raise ValueError("--autoscale sizes the prefill and decode pools: use --mode disagg")
+        if self.router_only:
+            raise ValueError("--autoscale runs in the deployment's controller, not --router-only")
+        if not self.capacity_profile:
+            raise ValueError(
+                "--autoscale needs --capacity-profile (write one with `tandem profile "
+                "--capacity` on this hardware, or `tandem plan --out` for other hardware)"
+            )
+        self.capacity_profile_data()  # unreadable or invalid: fail here, not in the controller
+        config = self.planner_config()
+        for pool, n in (("prefill", self.prefill), ("decode", self.decode)):
+            lo, hi = getattr(config, f"min_{pool}"), getattr(config, f"max_{pool}")
+            if not lo <= n <= hi:
+                raise ValueError(f"--{pool} {n} is outside the planner's bounds [{lo}, {hi}]")
+
+    def planner_config(self):
+        """The planner's settings (cluster.planner.config.PlannerConfig) from `planner`."""
+        from cluster.planner.config import PlannerConfig
+
+        return PlannerConfig(**self.planner, disagg_threshold=self.disagg_threshold)
+
+    def capacity_profile_data(self):
+        """The capacity profile (bench.capacity_profile.CapacityProfile) --autoscale sizes with."""
+        from bench.capacity_profile import CapacityProfile
+
+        return CapacityProfile.load(self.capacity_profile)
+
+    def max_workers(self) -> int:
+        """The most workers this deployment may run at once."""
+        if not self.autoscale:
+            return len(self.pools())
+        config = self.planner_config()
+        return config.max_prefill + config.max_decode
 
     def _apply_quantized_profile(self) -> None:
         """`quantized`: FP8 W8A8 prefill ("fp8": FP8 e4m3 weights with per-channel scales,

@@ -7,6 +7,7 @@ Each field's default and help are written once, here; `add_arguments` turns ever
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,11 @@ class RouterConfig:
     metrics_require_key: bool = setting(
         True, "/metrics asks for the API key too (--no-metrics-require-key: open to scrapers)"
     )
+    # Planner signals (router/signal_recorder.py): one traffic window per interval, pushed to
+    # the directory's report_signals when it has one (the controller's planner reads them).
+    signal_interval_s: float = setting(
+        2.0, "seconds per planner signal window pushed to the controller (0: none pushed)"
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -123,6 +129,11 @@ class RouterConfig:
             raise ValueError(
                 f"metrics_require_key must be a bool, got {self.metrics_require_key!r}"
             )
+        interval = self.signal_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
+            raise ValueError(f"signal_interval_s must be >= 0 (0: off), got {interval!r}")
+        if not math.isfinite(interval):
+            raise ValueError(f"signal_interval_s must be finite, got {interval!r}")
         non_negative = (
             "disagg_threshold",
             "affinity_slack_tokens",

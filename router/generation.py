@@ -30,6 +30,7 @@ from router.policy import LOCAL, NoWorkersError, RoutePlan
 from router.pool import WorkerPool
 from router.reorder import Delivery, ReorderError, TokenReorderBuffer
 from router.responses import Placement
+from router.signal_recorder import SignalRecorder
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class GenerationContext:
     tokenizer: Any
     # Runs a fire-and-forget coroutine (the abort) that the server awaits on stop().
     spawn: Callable[[Coroutine[Any, Any, None]], None]
+    # The planner's window of this router's traffic (routes, first tokens, finishes).
+    signals: SignalRecorder | None = None
 
 
 class Generation:
@@ -121,6 +124,8 @@ class Generation:
         except NoWorkersError as e:
             raise APIError(503, f"{e}; try again later", code="no_workers") from e
         ctx.metrics.disagg.labels(path=plan.path).inc()
+        if ctx.signals is not None:
+            ctx.signals.note_route(plan.path)
         self.placement = Placement(
             plan.path, (plan.prefill or plan.decode).worker_id, plan.decode.worker_id
         )
@@ -254,6 +259,8 @@ class Generation:
             if self._first_at is None:
                 self._first_at = now
                 metrics.ttft.observe(now - self.arrival)
+                if self.ctx.signals is not None:
+                    self.ctx.signals.note_first_token(now - self.arrival)
                 if self.on_first_token is not None:
                     self.on_first_token()
             elif self._last_at is not None:
@@ -266,8 +273,12 @@ class Generation:
         # Timed at the last delivery, not after the caller wrote the last piece out.
         metrics, end = self.ctx.metrics, self._delivered_at
         metrics.e2e.observe(end - self.arrival)
+        tpot = None
         if self._first_at is not None and self.num_tokens > 1:
-            metrics.tpot.observe((end - self._first_at) / (self.num_tokens - 1))
+            tpot = (end - self._first_at) / (self.num_tokens - 1)
+            metrics.tpot.observe(tpot)
+        if self.ctx.signals is not None:
+            self.ctx.signals.note_finished([c.num_tokens for c in self.choices], tpot)
 
     def _close(self, plan: RoutePlan) -> None:
         self.ctx.dataplane.unregister(self.rid)

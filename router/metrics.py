@@ -1,7 +1,11 @@
 """Prometheus metrics of the router, in their own CollectorRegistry (names prefixed tandem_).
 
 Latency histograms and request/decision counters are updated by the server as requests run;
-the admission queue gauges read `AdmissionControl` at scrape time (`track_queue`).
+the admission queue gauges read `AdmissionControl` at scrape time (`track_queue`). The
+request length histograms and the uncached prompt token counter are fed by the planner's
+signal recorder (router/signal_recorder.py); the planner's own gauges and decision counters
+come from the latest status the router fetched from the controller (`track_planner`,
+router/planner_status.py).
 Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read at scrape time
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
@@ -24,7 +28,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.roles import COLOCATED, DECODE, PREFILL
 from router.directory import READY, WORKER_STATES, WorkerInfo
+from router.planner_status import PlannerCollector, PlannerStatus
 from router.policy import LOCAL, REMOTE
+from router.signals import LENGTH_EDGES
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -52,6 +58,8 @@ _LATENCY_BUCKETS = (
     40.0,
     80.0,
 )
+# Token-length buckets: 1, 2, 4, ..., 256 Ki (+Inf), so they line up with the planner's windows.
+LENGTH_BUCKETS = tuple(float(edge) for edge in LENGTH_EDGES)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 # The finish_reason label values of tandem_requests_finished, exported at 0 from the start:
@@ -239,6 +247,30 @@ class RouterMetrics:
             self.disagg.labels(path=path)
         self._add_admission_metrics(r)
         r.register(WorkerCollector(snapshot))
+        self._add_planner_metrics(r)
+
+    def _add_planner_metrics(self, r: CollectorRegistry) -> None:
+        self._planner_status: Callable[[], PlannerStatus | None] = lambda: None
+        r.register(PlannerCollector(lambda: self._planner_status()))
+        # The planner's length mix as Prometheus sees it (router/signal_recorder.py observes
+        # them): power-of-two buckets, the edges of router.signals.LENGTH_EDGES.
+        self.request_prompt_tokens = Histogram(
+            "tandem_request_prompt_tokens",
+            "Prompt tokens per arriving request (refused and failed ones included)",
+            buckets=LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.request_output_tokens = Histogram(
+            "tandem_request_output_tokens",
+            "Output tokens per finished sequence",
+            buckets=LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens_uncached = Counter(
+            "tandem_prompt_tokens_uncached",
+            "Arrived prompt tokens the prefix cache did not serve (estimated per signal window)",
+            registry=r,
+        )
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.rejected = Counter(
@@ -259,6 +291,10 @@ class RouterMetrics:
             "Prompt tokens of the requests waiting for their first token",
             registry=r,
         )
+
+    def track_planner(self, status: Callable[[], PlannerStatus | None]) -> None:
+        """Export the planner status `status()` returns at scrape time (None: planner off)."""
+        self._planner_status = status
 
     def track_queue(self, requests: Callable[[], float], tokens: Callable[[], float]) -> None:
         """Read the admission queue's size at scrape time (never stale, nothing to update)."""

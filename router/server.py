@@ -54,6 +54,7 @@ from router.openai_api import ParsedRequest, RequestParser
 from router.openapi import openapi_document
 from router.pool import WorkerPool
 from router.serving import RequestRun, StreamWriter
+from router.signal_recorder import SignalRecorder, SignalReporter
 from router.tools import detect_tool_format
 from router.utility_routes import add_utility_routes
 
@@ -158,6 +159,12 @@ class RouterServer:
         self.metrics.track_queue(
             lambda: self.admission.queued_requests, lambda: self.admission.queued_prompt_tokens
         )
+        # Planner signals: a window per signal_interval_s, pushed to the controller.
+        self.signals = SignalRecorder(
+            lambda: self.pool.workers, self.admission, metrics=self.metrics
+        )
+        self.signal_reporter = SignalReporter(self.signals, directory, config.signal_interval_s)
+        self.metrics.track_planner(lambda: self.signal_reporter.planner_status)
         self._draining = False
         self._active = 0  # generation requests inside _serve (what wait_idle waits out)
         self._idle = asyncio.Event()
@@ -185,11 +192,12 @@ class RouterServer:
             self.model_info = await asyncio.to_thread(load_model_info, self.config)
         info = self.model_info
         self.parser = request_parser(self.config, info)
-        self._generation_context = GenerationContext(
-            self.config, self.pool, self.dataplane, self.metrics, info.tokenizer, self._spawn
-        )
+        shared = (self.config, self.pool, self.dataplane, self.metrics, info.tokenizer)
+        self._generation_context = GenerationContext(*shared, self._spawn, self.signals)
         await self.dataplane.start()
         await self.pool.start()
+        self.signals.begin()  # after the first snapshot: the prefix counters' baseline
+        self.signal_reporter.start()
         await self._start_http()
         log.info(
             "router listening on http://%s:%s, token sink %s, %s",
@@ -251,6 +259,7 @@ class RouterServer:
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
 
     async def stop(self) -> None:
+        await self.signal_reporter.stop()
         await self.pool.stop()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -438,6 +447,7 @@ class RouterServer:
             self._check_draining()
             self.admission.check_room()
         except APIError as e:
+            self.signals.note_arrival(None)  # demand all the same; its prompt is unread
             return self._refuse(e)
         return None
 
@@ -478,6 +488,7 @@ class RouterServer:
     ) -> web.StreamResponse:
         assert self._generation_context is not None
         arrival = time.monotonic()
+        self.signals.note_arrival([len(p) for p in parsed.prompts])
         try:
             ticket = self._admit(parsed, rid)
         except APIError as e:

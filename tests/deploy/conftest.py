@@ -2,4 +2,10 @@
 test folder uses, so test files can import its helpers without clashing with another
 folder's conftest."""
 
-from deploy_helpers import helm, helm_bin, raycluster_schema, rendered  # noqa: F401
+from deploy_helpers import (  # noqa: F401
+    capacity_profile_file,
+    helm,
+    helm_bin,
+    raycluster_schema,
+    rendered,
+)

@@ -345,3 +345,63 @@ def head_serve_argv(manifests: list[dict[str, Any]]) -> list[str]:
     lines = [ln.strip() for ln in script.splitlines() if "tandem serve" in ln]
     assert len(lines) == 1, script
     return serve_argv(lines[0])
+
+
+# ---- the worker groups' pod counts -----------------------------------------------------------
+
+
+def pool_slots(pool_values: dict[str, Any]) -> int:
+    """Units of the pool's Ray resource one pod advertises: its GPUs, or cpuSlots on CPU."""
+    return int(pool_values["gpusPerPod"]) or int(pool_values["cpuSlots"])
+
+
+def group_counts(values: dict[str, Any], pool: str) -> tuple[int, int, int]:
+    """(replicas, minReplicas, maxReplicas) the chart must give a pool's worker group from
+    merged values: the pool's own, or with autoscaling.planner on, the planner's actor bounds
+    (and serving.<pool>, the actors it starts with) over the pod's slots, rounded up."""
+    g = values[pool]
+    planner = values["autoscaling"]["planner"]
+    if not planner["enabled"]:
+        return g["replicas"], g["minReplicas"], g["maxReplicas"]
+    slots = pool_slots(g)
+    suffix = pool.capitalize()
+    lo = -(-planner[f"min{suffix}"] // slots)
+    hi = -(-planner[f"max{suffix}"] // slots)
+    return max(lo, -(-values["serving"][pool] // slots)), lo, hi
+
+
+# ---- `tandem serve --autoscale`'s capacity profile -------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def capacity_profile_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A capacity profile as `tandem plan --out` writes it (the real class's own save), for
+    the deploy files' `--capacity-profile`, which names a path on the cluster."""
+    from bench.capacity_profile import CapacityProfile
+
+    profile = CapacityProfile(
+        model="Llama-3.1-8B-Instruct",
+        hardware="H100",
+        source="roofline",
+        prefill_points=[(256, 0.02), (2048, 0.11), (8192, 0.42)],
+        decode_fixed_s=0.006,
+        decode_per_seq_s=2e-5,
+        decode_per_ctx_token_s=3e-9,
+        kv_bytes_per_token=131072,
+        transfer_latency_s=0.002,
+        transfer_bytes_per_s=2.0e10,
+        kv_capacity_tokens=400000,
+        max_batch_tokens=8192,
+        max_num_seqs=256,
+        startup_s=90.0,
+    )
+    return profile.save(tmp_path_factory.mktemp("profile") / "capacity.json")
+
+
+def with_local_profile(argv: list[str], profile: Path) -> list[str]:
+    """A `tandem serve` argv with its --capacity-profile (a path on the cluster) pointed at a
+    local file, so the real settings can load it; unchanged without the flag."""
+    out = list(argv)
+    if "--capacity-profile" in out:
+        out[out.index("--capacity-profile") + 1] = str(profile)
+    return out

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_helpers import RAY_CONFIGS, given_flags, parse_serve_args, serve_argv, serve_defaults
+from deploy_helpers import (
+    RAY_CONFIGS,
+    given_flags,
+    parse_serve_args,
+    serve_argv,
+    serve_defaults,
+    with_local_profile,
+)
 
 CONFIGS = sorted(RAY_CONFIGS.glob("*.yaml"))
 
@@ -163,7 +170,7 @@ def _comment_flag_spans(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_documented_quantization_flags_parse(path: Path) -> None:
+def test_documented_quantization_flags_parse(path: Path, capacity_profile_file: Path) -> None:
     """The serve line names each pool's quantization and the KV dtype; the comment above it
     shows the quantized profile (`--quantized`) and its explicit equivalent. Each documented
     span added to the serve line parses with the real parser, and the two spellings of the
@@ -174,7 +181,8 @@ def test_documented_quantization_flags_parse(path: Path) -> None:
         s = settings_from_args(parse_serve_args(argv + extra))
         return s.prefill_quantization, s.decode_quantization, s.engine["kv_dtype"]
 
-    argv = serve_argv(_serve_command(_load(path)))
+    # --autoscale loads its capacity profile: the head's path, here a local one.
+    argv = with_local_profile(serve_argv(_serve_command(_load(path))), capacity_profile_file)
     assert {"--prefill-quantization", "--decode-quantization", "--kv-dtype"} <= given_flags(argv)
     as_shipped = quantization([])
     assert as_shipped[:2] == ("auto", "auto"), as_shipped

@@ -69,6 +69,8 @@ keys to change.
 {{- define "tandem.validate" -}}
 {{- $v := .Values }}
 {{- include "tandem.modelPath" . }}
+{{- /* With the planner the groups' counts come from its bounds (tandem.groupReplicas). */}}
+{{- if not $v.autoscaling.planner.enabled }}
 {{- range $pool := list "prefill" "decode" }}
 {{- $g := index $v $pool }}
 {{- if gt (int $g.minReplicas) (int $g.maxReplicas) }}
@@ -84,6 +86,7 @@ keys to change.
 {{- $cap := mul (int $g.maxReplicas) (int (include "tandem.poolSlots" $g)) }}
 {{- if gt (int (index $v.serving $pool)) $cap }}
 {{- fail (printf "serving.%s (%d actors) exceeds what %s.maxReplicas x slots per pod can hold (%d)" $pool (int (index $v.serving $pool)) $pool $cap) }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -106,6 +109,95 @@ keys to change.
 {{- if gt (int $v.ray.ports.minWorkerPort) (int $v.ray.ports.maxWorkerPort) }}
 {{- fail "ray.ports.minWorkerPort must be <= ray.ports.maxWorkerPort" }}
 {{- end }}
+{{- if $v.autoscaling.planner.enabled }}
+{{- include "tandem.validatePlanner" . }}
+{{- end }}
+{{- end }}
+
+{{/* The planner's checks (autoscaling.planner.enabled): what it needs around it, its bounds
+and its capacity profile. */}}
+{{- define "tandem.validatePlanner" -}}
+{{- $v := .Values }}
+{{- $p := $v.autoscaling.planner }}
+{{- if not $v.autoscaling.enabled }}
+{{- fail "autoscaling.planner.enabled needs autoscaling.enabled: Ray's autoscaler adds the pods the planner's new actors wait for, and removes the ones it drained" }}
+{{- end }}
+{{- if ne $v.serving.mode "disagg" }}
+{{- fail (printf "autoscaling.planner sizes the prefill and decode pools: it needs serving.mode disagg, not %s" $v.serving.mode) }}
+{{- end }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $lo := int (index $p (printf "min%s" (title $pool))) }}
+{{- $hi := int (index $p (printf "max%s" (title $pool))) }}
+{{- if gt $lo $hi }}
+{{- fail (printf "autoscaling.planner.min%s (%d) must be <= autoscaling.planner.max%s (%d)" (title $pool) $lo (title $pool) $hi) }}
+{{- end }}
+{{- $n := int (index $v.serving $pool) }}
+{{- if or (lt $n $lo) (gt $n $hi) }}
+{{- fail (printf "serving.%s (%d actors to start with) must lie between autoscaling.planner.min%s (%d) and max%s (%d)" $pool $n (title $pool) $lo (title $pool) $hi) }}
+{{- end }}
+{{- end }}
+{{- if not (kindIs "invalid" $p.gpuBudget) }}
+{{- $floor := add (int $p.minPrefill) (int $p.minDecode) }}
+{{- if lt (int $p.gpuBudget) $floor }}
+{{- fail (printf "autoscaling.planner.gpuBudget (%d) is below what the minimum pools hold: minPrefill + minDecode = %d workers of at least one GPU each" (int $p.gpuBudget) $floor) }}
+{{- end }}
+{{- end }}
+{{- $cp := $p.capacityProfile }}
+{{- if eq (empty $cp.json) (empty $cp.existingConfigMap) }}
+{{- fail "autoscaling.planner needs exactly one capacity profile: autoscaling.planner.capacityProfile.json (e.g. --set-file autoscaling.planner.capacityProfile.json=capacity.json) or autoscaling.planner.capacityProfile.existingConfigMap" }}
+{{- end }}
+{{- if $cp.json }}
+{{- $parsed := fromJson $cp.json }}
+{{- if or (hasKey $parsed "Error") (not (hasKey $parsed "prefill_points")) }}
+{{- fail "autoscaling.planner.capacityProfile.json is not a capacity profile: a JSON object as `tandem profile --capacity` or `tandem plan --out` writes it (with prefill_points)" }}
+{{- end }}
+{{- end }}
+{{- $dir := trimSuffix "/" $cp.mountPath }}
+{{- if not $dir }}
+{{- fail "autoscaling.planner.capacityProfile.mountPath must not be /: name a directory of its own" }}
+{{- end }}
+{{- range $taken := list "/tmp" "/dev/shm" (trimSuffix "/" $v.model.mountPath) (trimSuffix "/" $v.scratch.home.mountPath) }}
+{{- if or (eq $dir $taken) (hasPrefix (printf "%s/" $taken) $dir) }}
+{{- fail (printf "autoscaling.planner.capacityProfile.mountPath (%s) must not lie in %s, which is mounted already" $cp.mountPath $taken) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+A worker group's pod counts as YAML (replicas, minReplicas, maxReplicas):
+(dict "ctx" $ "pool" "prefill"). Without the planner, the pool's own values. With it, its
+actor bounds over the units of the pool's Ray resource a pod holds, rounded up, so Ray's
+autoscaler can place every actor the planner may start and keeps the pods its minimum needs;
+replicas start with room for serving.<pool> actors.
+*/}}
+{{- define "tandem.groupReplicas" -}}
+{{- $v := .ctx.Values }}
+{{- $g := index $v .pool }}
+{{- if $v.autoscaling.planner.enabled }}
+{{- $p := $v.autoscaling.planner }}
+{{- $slots := int (include "tandem.poolSlots" $g) }}
+{{- $min := div (add (int (index $p (printf "min%s" (title .pool)))) (sub $slots 1)) $slots }}
+{{- $max := div (add (int (index $p (printf "max%s" (title .pool)))) (sub $slots 1)) $slots }}
+{{- $start := div (add (int (index $v.serving .pool)) (sub $slots 1)) $slots }}
+replicas: {{ max $min $start }}
+minReplicas: {{ $min }}
+maxReplicas: {{ $max }}
+{{- else }}
+replicas: {{ int $g.replicas }}
+minReplicas: {{ int $g.minReplicas }}
+maxReplicas: {{ int $g.maxReplicas }}
+{{- end }}
+{{- end }}
+
+{{/* The capacity profile's ConfigMap: the chart's, or autoscaling.planner.capacityProfile.existingConfigMap. */}}
+{{- define "tandem.capacityProfileConfigMap" -}}
+{{- default (printf "%s-capacity-profile" (include "tandem.fullname" .)) .Values.autoscaling.planner.capacityProfile.existingConfigMap }}
+{{- end }}
+
+{{/* Where the head container reads the capacity profile (`--capacity-profile`). */}}
+{{- define "tandem.capacityProfilePath" -}}
+{{- $cp := .Values.autoscaling.planner.capacityProfile }}
+{{- printf "%s/%s" (trimSuffix "/" $cp.mountPath) $cp.key }}
 {{- end }}
 
 {{/* UCX_TLS for a pool: (dict "ctx" $ "pool" .Values.prefill); the head (pool.head) has no RDMA device. */}}
@@ -232,5 +324,16 @@ tandem serve --model {{ include "tandem.modelPath" . | quote }} --served-model-n
 {{- end }} --host 0.0.0.0 --port {{ int $v.router.port }} --address auto --bind-host auto --prefill-resource {{ $v.prefill.rayResource }} --decode-resource {{ $v.decode.rayResource }} --dtype {{ $v.model.dtype }} --kv-dtype {{ $v.model.kvDtype }} --prefill-quantization {{ $v.model.prefillQuantization | default "auto" }} --decode-quantization {{ $v.model.decodeQuantization | default "auto" }}
 {{- if $v.model.quantized }} --quantized{{ end }} --block-size {{ int $v.model.blockSize }}
 {{- if not (kindIs "invalid" $v.serving.disaggThreshold) }} --disagg-threshold {{ int $v.serving.disaggThreshold }}{{ end }}
+{{- if $v.autoscaling.planner.enabled }} {{ include "tandem.plannerArgs" . }}{{ end }}
 {{- range $v.serving.extraArgs }} {{ . | quote }}{{ end }}
+{{- end }}
+
+{{/* The planner's `tandem serve` flags (autoscaling.planner); a null value leaves tandem's
+default. */}}
+{{- define "tandem.plannerArgs" -}}
+{{- $p := .Values.autoscaling.planner -}}
+--autoscale --capacity-profile {{ include "tandem.capacityProfilePath" . | quote }} --slo-ttft-ms {{ $p.sloTtftMs }} --slo-tpot-ms {{ $p.sloTpotMs }} --interval-s {{ $p.intervalS }} --min-prefill {{ int $p.minPrefill }} --max-prefill {{ int $p.maxPrefill }} --min-decode {{ int $p.minDecode }} --max-decode {{ int $p.maxDecode }}
+{{- if not (kindIs "invalid" $p.gpuBudget) }} --gpu-budget {{ int $p.gpuBudget }}{{ end }}
+{{- if not (kindIs "invalid" $p.startupS) }} --startup-s {{ $p.startupS }}{{ end }}
+{{- if not (kindIs "invalid" $p.downCooldownS) }} --down-cooldown-s {{ $p.downCooldownS }}{{ end }}
 {{- end }}

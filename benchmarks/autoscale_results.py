@@ -1,0 +1,292 @@
+"""The planner against its baselines on the Azure traces, in the trace-driven simulator.
+
+    .venv/bin/python benchmarks/autoscale_results.py \\
+        --profile benchmarks/results/profile-llama3-8b-h100.json --rate-scale conv=20,code=10
+
+For each trace (scaled by superimposing K copies, each shifted by a random offset of up to
+`--rate-jitter-s`: K times the rate with the hour's shape and its bursts kept), under one GPU
+profile, one pair of SLO targets and one start-up time, it runs the planner, the Dynamo-style
+and the threshold (HPA/KEDA-style) policies, and the hindsight baselines measured in the same
+run: the cheapest static split reaching 99% SLO attainment and the one reaching the planner's
+own attainment (and, with `--colocated`, the fewest colocated replicas reaching 99%). Every
+adaptive policy gets the same warm start: the pools sized for the trace's mean load, a number
+an operator knows in advance (the same hour's traffic the day before; here the trace's own
+hour stands in for it), unless `--cold-start` (every policy starts at its minimums).
+
+Prints one table per trace (attainment, GPU-hours, GPU-hours / the best static split's at
+the same attainment, TTFT and TPOT p50/p99) and writes `autoscale_results.json`, a planner
+replica timeline per trace and a plot of every policy's workers over time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from bench.capacity_profile import CapacityProfile
+from cluster.planner import make_policy
+from cluster.planner.config import PlannerConfig
+from cluster.simulator import report
+from cluster.simulator.run import SimConfig, SimResult, simulate
+from cluster.simulator.sweep import SweepResult, best_colocated, best_static
+from cluster.simulator.traces import SimRequest, load_requests, shape_requests
+
+TRACES = {
+    "conv": "/work/shared/traces/azure_llm_conv_2023.csv",
+    "code": "/work/shared/traces/azure_llm_code_2023.csv",
+}
+ADAPTIVE = ("planner", "dynamo", "threshold")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="benchmarks/results/profile-llama3-8b-h100.json")
+    p.add_argument("--traces", default="conv,code", help="comma-separated: conv, code")
+    p.add_argument("--rate-scale", default="conv=20,code=20", help="copies per trace")
+    p.add_argument("--rate-jitter-s", type=float, default=5.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--startup-s", type=float, default=60.0)
+    p.add_argument("--max-prefill", type=int, default=32)
+    p.add_argument("--max-decode", type=int, default=32)
+    p.add_argument("--cold-start", action="store_true", help="no warm start for any policy")
+    p.add_argument("--colocated", action="store_true", help="also the best colocated count")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args(argv)
+    args.scales = {}
+    for part in args.rate_scale.split(","):
+        name, _, k = part.partition("=")
+        if name not in TRACES or not k.isdigit() or int(k) < 1:
+            p.error(f"--rate-scale: bad entry {part!r} (want conv=K,code=K)")
+        args.scales[name] = int(k)
+    args.trace_names = [t for t in args.traces.split(",") if t]
+    for t in args.trace_names:
+        if t not in TRACES:
+            p.error(f"--traces: unknown trace {t!r}; traces are {', '.join(TRACES)}")
+    return args
+
+
+def mean_load(requests: list[SimRequest]) -> dict[str, float]:
+    """The trace's mean rate and lengths: the warm start's expected load."""
+    span = max(requests[-1].arrival_s, 1.0)
+    n = len(requests)
+    return {
+        "expected_rate_rps": round(n / span, 1),
+        "expected_prompt_tokens": round(sum(r.prompt_len for r in requests) / n),
+        "expected_output_tokens": round(sum(r.output_len for r in requests) / n),
+    }
+
+
+def configs(args, requests: list[SimRequest]) -> tuple[PlannerConfig, SimConfig]:
+    warm = {} if args.cold_start else mean_load(requests)
+    planner = PlannerConfig(
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        startup_s=args.startup_s,
+        max_prefill=args.max_prefill,
+        max_decode=args.max_decode,
+        **warm,
+    )
+    sim = SimConfig(
+        slo_ttft_s=planner.slo_ttft_s,
+        slo_tpot_s=planner.slo_tpot_s,
+        interval_s=planner.interval_s,
+        disagg_threshold=planner.disagg_threshold,
+        startup_s=args.startup_s,
+    )
+    return planner, sim
+
+
+def static_sweep(requests, profile, sim, planner, target: float) -> SweepResult:
+    return best_static(
+        requests,
+        profile,
+        sim,
+        lambda p, d: make_policy(f"static:{p}:{d}", profile, planner),
+        prefill_counts=range(planner.min_prefill, planner.max_prefill + 1),
+        decode_counts=(planner.min_decode, planner.max_decode),
+        target=target,
+    )
+
+
+def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
+    requests = shape_requests(
+        load_requests(TRACES[name]),
+        rate_scale=args.scales.get(name, 1),
+        rate_jitter_s=args.rate_jitter_s,
+        seed=args.seed,
+    )
+    planner_cfg, sim = configs(args, requests)
+    results: dict[str, SimResult] = {}
+    for spec in ADAPTIVE:
+        t0 = time.perf_counter()
+        results[spec] = simulate(requests, profile, make_policy(spec, profile, planner_cfg), sim)
+        results[spec].policy = spec
+        print(f"{name}: {spec} done in {time.perf_counter() - t0:.0f} s", flush=True)
+    targets = sorted({0.99, math.floor(results["planner"].attainment * 1e4) / 1e4})
+    sweeps = {}
+    for target in targets:
+        sweeps[target] = static_sweep(requests, profile, sim, planner_cfg, target)
+        print(f"{name}: best static at {target:.2%}: {_size(sweeps[target])}", flush=True)
+    for target, sweep in sweeps.items():
+        if sweep.best_result is not None:
+            sweep.best_result.policy = f"best static {_size(sweep)} (>= {target:.2%})"
+            results[f"static@{target}"] = sweep.best_result
+    if args.colocated:
+        colo = best_colocated(
+            requests,
+            profile,
+            sim,
+            lambda k: make_policy(f"colocated:{k}", profile, planner_cfg),
+            replica_counts=(1, planner_cfg.max_prefill + planner_cfg.max_decode),
+        )
+        if colo.best_result is not None:
+            colo.best_result.policy = f"best colocated {colo.best.decode} (>= 99%)"
+            results["colocated@0.99"] = colo.best_result
+    rows = summarize(results, sweeps, profile.gpus_per_worker)
+    plots = write_plots(name, results, out)
+    return {
+        "trace": TRACES[name],
+        "rate_scale": args.scales.get(name, 1),
+        "requests": len(requests),
+        "planner_config": {k: getattr(planner_cfg, k) for k in planner_cfg.__dataclass_fields__},
+        "rows": rows,
+        "sweeps": {str(t): s.to_dict() for t, s in sweeps.items()},
+        "plots": [str(p) for p in plots],
+    }
+
+
+def _size(sweep: SweepResult) -> str:
+    return "none" if sweep.best is None else f"{sweep.best.prefill}:{sweep.best.decode}"
+
+
+def baseline_for(attainment: float, sweeps: dict[float, SweepResult]):
+    """The cheapest static split reaching at least `attainment` (None: no split in the sweep
+    range does)."""
+    fits = [
+        s.best for t, s in sweeps.items() if s.best is not None and s.best.attainment >= attainment
+    ]
+    return min(fits, key=lambda b: b.gpu_hours, default=None)
+
+
+def summarize(results: dict[str, SimResult], sweeps, gpus: int) -> list[dict]:
+    rows = []
+    for key, r in results.items():
+        s = report.summarize(r, gpus)
+        base = baseline_for(r.attainment, sweeps)
+        s["key"] = key
+        s["static_at_same_attainment"] = (
+            None if base is None else {"split": f"{base.prefill}:{base.decode}", **base.to_dict()}
+        )
+        s["gpu_hours_vs_static"] = None if base is None else r.gpu_hours / base.gpu_hours
+        rows.append(s)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    def ms(p: dict) -> str:
+        return "/".join(
+            "-" if p[k] is None or math.isnan(p[k]) else f"{p[k]:.0f}" for k in ("p50", "p99")
+        )
+
+    table = []
+    for s in rows:
+        base = s["static_at_same_attainment"]
+        ratio = "-" if base is None else f"{s['gpu_hours_vs_static']:.2f} (vs {base['split']})"
+        table.append(
+            (
+                s["policy"],
+                f"{s['attainment']:.2%}",
+                f"{s['gpu_hours']:.2f}",
+                ratio,
+                ms(s["ttft_ms"]),
+                ms(s["tpot_ms"]),
+            )
+        )
+    header = (
+        "policy",
+        "attain",
+        "GPU-h",
+        "GPU-h / static same attain",
+        "TTFT p50/p99",
+        "TPOT p50/p99",
+    )
+    return report.format_table(table, header)
+
+
+def write_plots(name: str, results: dict[str, SimResult], out: Path) -> list[Path]:
+    planner_png = out / f"autoscale-{name}-planner.png"
+    report.plot_timeline(results["planner"], planner_png)
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.subplots()
+    for r in results.values():
+        xs, ys = total_workers(r)
+        ax.step(
+            xs,
+            ys,
+            where="post",
+            lw=1.0,
+            label=f"{r.policy}: {r.attainment:.2%}, {r.gpu_hours:.1f} GPU-h",
+        )
+    ax.set_xlabel("simulated time (min)")
+    ax.set_ylabel("workers (ready + starting + draining)")
+    ax.set_title(f"Azure {name} trace: workers over time per policy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    policies_png = out / f"autoscale-{name}-policies.png"
+    fig.savefig(policies_png, dpi=110)
+    return [planner_png, policies_png]
+
+
+def total_workers(r: SimResult) -> tuple[list[float], list[int]]:
+    """Workers of every pool over time, from the pool timeline (minutes)."""
+    current: dict[str, int] = {}
+    xs, ys = [], []
+    for t, pool, ready, starting, draining in r.timeline:
+        current[pool] = ready + starting + draining
+        xs.append(t / 60)
+        ys.append(sum(current.values()))
+    xs.append(r.end_s / 60)
+    ys.append(ys[-1] if ys else 0)
+    return xs, ys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile = CapacityProfile.load(args.profile)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "command": "benchmarks/autoscale_results.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.node()} {platform.machine()} {platform.python_version()}",
+        "profile": {"path": args.profile, "model": profile.model, "hardware": profile.hardware},
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "startup_s": args.startup_s,
+        "rate_jitter_s": args.rate_jitter_s,
+        "warm_start": not args.cold_start,
+        "traces": {},
+    }
+    for name in args.trace_names:
+        doc["traces"][name] = run_trace(name, args, profile, out)
+        print(f"\n{name} (x{args.scales.get(name, 1)}):")
+        print(format_rows(doc["traces"][name]["rows"]), flush=True)
+    path = out / "autoscale_results.json"
+    path.write_text(json.dumps(report._json_safe(doc), indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,353 @@
+"""What load the pools must carry: length distributions, the arrival-rate forecast, and the
+`Workload` the sizing math reads.
+
+Lifecycle: a `DemandTracker` is fed every window (`observe`), in time order. It keeps the
+windows of the last `history_s` seconds (their length histograms are merged: one window holds
+too few requests for a tail) and a Holt forecast of the arrival rate (level + damped trend,
+updated once per window). `forecast_rate()` is the rate expected when a worker asked for now
+would be ready (`startup_s + interval_s` ahead). The planner scales up on the larger of it and
+the last window's rate (`up_rate`), so a burst is never smoothed away, and down only when a
+smaller pool carries the forecast plus a margin that grows with the rate's noise (`down_rate`).
+
+`LengthDist` is a length histogram as the sizing math wants it: (share, mean, spread) per
+bucket. Inside a bucket the lengths are taken as uniform on the widest interval around the
+bucket's mean that stays in the bucket (exact for one repeated length, close for a spread), so
+tails (`quantile`) and second moments come out of a histogram without the raw lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from router.signals import LENGTH_EDGES, LengthHistogram, WindowSignals
+
+from .config import PlannerConfig
+
+# A last window with fewer prompts than this is too thin to size against on its own.
+MIN_WINDOW_PROMPTS = 20
+NOISE_WEIGHT = 0.05  # EWMA weight of a new squared forecast error
+NOISE_SIGMAS = 4.0  # a pool shrinks only if it would carry the forecast + this many noise SDs
+BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
+NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
+MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic
+HISTORY_CAP = 10  # windows kept: up to this many history_s (for MIN_DIST_SAMPLES)
+
+
+@dataclass(slots=True, frozen=True)
+class LengthDist:
+    """Lengths as (share, mean, half-width) per bucket, ascending; shares sum to 1."""
+
+    parts: tuple[tuple[float, float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError("a LengthDist needs at least one bucket")
+        if abs(sum(p for p, _, _ in self.parts) - 1.0) > 1e-6:
+            raise ValueError(f"LengthDist shares must sum to 1: {self.parts}")
+
+    @classmethod
+    def single(cls, length: float) -> LengthDist:
+        return cls(((1.0, float(length), 0.0),))
+
+    @classmethod
+    def exponential(cls, mean: float, points: int = 64) -> LengthDist:
+        """Lengths exponential around `mean` (as bucketed by a window's histogram): the prior
+        for an expected mean length. LLM prompt and answer lengths are long-tailed, and a
+        single length would hide the long answers that fill decode batches and the short
+        ones that feel the KV hand-off most."""
+        hist = LengthHistogram()
+        for i in range(points):
+            q = (i + 0.5) / points
+            hist.add(max(1, round(-mean * math.log(1 - q))))
+        dist = cls.of(hist)
+        assert dist is not None  # points >= 1 lengths were added
+        return dist
+
+    @classmethod
+    def of(cls, hist: LengthHistogram) -> LengthDist | None:
+        """The histogram's distribution, or None when it is empty."""
+        n = hist.count
+        if not n:
+            return None
+        parts = []
+        for i, (c, s) in enumerate(zip(hist.counts, hist.sums, strict=True)):
+            if not c:
+                continue
+            mean = s / c
+            lo = LENGTH_EDGES[i - 1] if i else 0
+            hi = LENGTH_EDGES[i] if i < len(LENGTH_EDGES) else math.inf
+            parts.append((c / n, mean, max(0.0, min(mean - lo, hi - mean))))
+        return cls(tuple(parts))
+
+    def mean(self) -> float:
+        return sum(p * m for p, m, _ in self.parts)
+
+    def second_moment(self) -> float:
+        # A uniform spread of half-width w around m adds w^2/3 to m^2.
+        return sum(p * (m * m + w * w / 3.0) for p, m, w in self.parts)
+
+    def quantile(self, q: float) -> float:
+        seen = 0.0
+        for p, m, w in self.parts:
+            if seen + p >= q - 1e-12:
+                inside = (q - seen) / p if p else 1.0
+                return m - w + 2.0 * w * min(max(inside, 0.0), 1.0)
+            seen += p
+        _, m, w = self.parts[-1]
+        return m + w
+
+    def split(self, threshold: float) -> tuple[float, LengthDist | None, LengthDist | None]:
+        """(share at or above `threshold`, that part, the part below), by bucket means (the
+        router decides per prompt; a bucket's mean stands for its prompts)."""
+        above = [x for x in self.parts if x[1] >= threshold]
+        below = [x for x in self.parts if x[1] < threshold]
+        share = sum(p for p, _, _ in above)
+        return share, _renormalised(above), _renormalised(below)
+
+
+def _renormalised(parts: list[tuple[float, float, float]]) -> LengthDist | None:
+    total = sum(p for p, _, _ in parts)
+    if total <= 0:
+        return None
+    return LengthDist(tuple((p / total, m, w) for p, m, w in parts))
+
+
+@dataclass(slots=True)
+class Workload:
+    """The load to size the pools for: requests/s, their lengths, the share of prompt tokens
+    not already in a prefix cache, and the queues at the last window's end."""
+
+    rate: float
+    prompts: LengthDist
+    outputs: LengthDist
+    uncached: float = 1.0
+    queued_prompt_tokens: float = 0.0  # waiting for a first token (router view, all paths)
+    prefill_waiting: int = 0  # requests queued inside prefill workers
+    decode_running: int = 0
+    decode_waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.rate) and self.rate >= 0):
+            raise ValueError(f"rate must be >= 0, got {self.rate}")
+        if not (0 <= self.uncached <= 1):
+            raise ValueError(f"uncached must be in [0, 1], got {self.uncached}")
+
+
+@dataclass(slots=True)
+class HoltForecast:
+    """Double exponential smoothing (level + damped trend) of one series, one step per window."""
+
+    alpha: float
+    beta: float
+    damping: float
+    level: float | None = None
+    trend: float = 0.0
+    # EWMA of the squared one-step-ahead error: how noisy the series is around its forecast.
+    error_var: float = 0.0
+
+    def update(self, value: float, noise_floor: float = 0.0) -> None:
+        """One step. The error that feeds the noise estimate is clipped at NOISE_CLIP noise
+        SDs (at least `noise_floor`): a level shift is a change, not noise, and must not
+        keep a pool from shrinking for the many windows an EWMA takes to forget it."""
+        if self.level is None:
+            self.level = value
+            return
+        error = value - self.forecast(1)
+        limit = NOISE_CLIP * max(self.noise, noise_floor)
+        if limit > 0:
+            error = min(max(error, -limit), limit)
+        self.error_var += NOISE_WEIGHT * (error * error - self.error_var)
+        previous = self.level
+        self.level = self.alpha * value + (1 - self.alpha) * (previous + self.damping * self.trend)
+        self.trend = (
+            self.beta * (self.level - previous) + (1 - self.beta) * self.damping * self.trend
+        )
+
+    @property
+    def noise(self) -> float:
+        """Standard deviation of the one-step-ahead error."""
+        return math.sqrt(self.error_var)
+
+    def forecast(self, steps: float) -> float:
+        """The value `steps` windows ahead (fractional steps allowed), never below 0."""
+        if self.level is None:
+            return 0.0
+        phi = self.damping
+        # sum_{i=1..h} phi^i, the damped trend's reach; h windows ahead.
+        reach = steps if phi >= 1 else phi * (1 - phi**steps) / (1 - phi)
+        return max(0.0, self.level + self.trend * reach)
+
+
+@dataclass(slots=True)
+class DemandTracker:
+    """Recent windows, the rate forecast and the length distributions (see the module doc)."""
+
+    config: PlannerConfig
+    startup_s: float
+    windows: deque[WindowSignals] = field(default_factory=deque)
+    holt: HoltForecast = field(init=False)
+    # The last non-empty distributions seen: the fallback when recent windows hold none.
+    _prompts: LengthDist | None = field(default=None, init=False)
+    _outputs: LengthDist | None = field(default=None, init=False)
+    _uncached: float = field(default=1.0, init=False)
+    # Whether the last window's rate stood out of the noise the forecast expected before it.
+    _burst: bool = field(default=False, init=False)
+    # The decaying peak of uncached prompt tokens arriving within one second (burst hold).
+    _peak_1s: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.holt = HoltForecast(c.forecast_alpha, c.forecast_beta, c.forecast_damping)
+
+    def observe(self, window: WindowSignals) -> None:
+        self.windows.append(window)
+        end = window.start_s + window.duration_s
+        keep = HISTORY_CAP * self.config.history_s
+        while self.windows and _end(self.windows[0]) <= end - keep + 1e-9:
+            self.windows.popleft()
+        rate = window.arrival_rate
+        expected = self.holt.forecast(1)
+        poisson = math.sqrt(max(expected, 0.0) / self.config.interval_s)
+        if self.holt.level is not None:
+            self._burst = rate > expected + BURST_SIGMAS * max(self.holt.noise, poisson)
+        self.holt.update(rate, poisson)
+        prompts = self._recent(end, lambda w: w.prompt_lengths)
+        outputs = self._recent(end, lambda w: w.output_lengths)
+        self._prompts = LengthDist.of(prompts) or self._prompts
+        self._outputs = LengthDist.of(outputs) or self._outputs
+        uncached = sum(w.uncached_prompt_tokens for w in self._within(end))
+        total = sum(w.prompt_lengths.total for w in self._within(end))
+        if total > 0:
+            self._uncached = min(1.0, max(0.0, uncached / total))
+        self._hold_peak(window)
+
+    def _hold_peak(self, window: WindowSignals) -> None:
+        """The window's 1-s peak joins the hold, which halves every `burst_half_life_s`."""
+        half_life = self.config.burst_half_life_s
+        if half_life <= 0:
+            self._peak_1s = 0.0
+            return
+        decayed = self._peak_1s * 0.5 ** (window.duration_s / half_life)
+        self._peak_1s = max(decayed, window.peak_prompt_tokens_1s * self._uncached)
+
+    @property
+    def held_peak_tokens_1s(self) -> float:
+        """The burst the prefill pool holds capacity for: uncached prompt tokens arriving
+        within one second, the recent peak decayed by its age (0 with the hold off)."""
+        return self._peak_1s
+
+    def _within(self, end: float) -> list[WindowSignals]:
+        return [w for w in self.windows if _end(w) > end - self.config.history_s + 1e-9]
+
+    def _recent(self, end: float, part) -> LengthHistogram:
+        """The merged lengths of the last `history_s`, reaching further back (newest first)
+        until MIN_DIST_SAMPLES: a few stragglers must not stand for a distribution (after a
+        burst the last requests to finish are its longest answers)."""
+        merged = LengthHistogram()
+        for w in reversed(self.windows):
+            recent = _end(w) > end - self.config.history_s + 1e-9
+            if not recent and merged.count >= MIN_DIST_SAMPLES:
+                break
+            merged.merge(part(w))
+        return merged
+
+    @property
+    def last(self) -> WindowSignals | None:
+        return self.windows[-1] if self.windows else None
+
+    @property
+    def last_rate(self) -> float:
+        return self.windows[-1].arrival_rate if self.windows else 0.0
+
+    def horizon_steps(self) -> float:
+        """Windows between now and when a worker asked for now would serve its first request."""
+        return (self.startup_s + self.config.interval_s) / self.config.interval_s
+
+    def forecast_rate(self) -> float:
+        return self.holt.forecast(self.horizon_steps())
+
+    def noise(self) -> float:
+        """Window-to-window noise of the rate (requests/s): the Holt one-step error's SD, at
+        least the Poisson noise of a window's count, sqrt(rate / interval)."""
+        forecast = self.forecast_rate()
+        return max(self.holt.noise, math.sqrt(max(forecast, 0.0) / self.config.interval_s))
+
+    def up_rate(self) -> float:
+        """The rate a scale-up provisions for: the forecast plus `up_noise_sigmas` of noise
+        (the windows until a new worker is ready will peak above their mean), or the last
+        window's rate when it stood out of the noise expected before it (a burst: more than
+        BURST_SIGMAS above the one-step forecast); a window merely at the top of the noise
+        does not start a worker."""
+        provisioned = self.forecast_rate() + self.config.up_noise_sigmas * self.noise()
+        return max(provisioned, self.last_rate) if self._burst else provisioned
+
+    def down_rate(self) -> float:
+        """The rate a smaller pool must still carry: the forecast plus the larger of
+        `down_margin` and NOISE_SIGMAS standard deviations of the rate's noise (and the last
+        window's rate plus `down_margin`), so the noise of a steady load never shrinks a pool
+        that the next window's rate grows back."""
+        forecast, margin = self.forecast_rate(), self.config.down_margin
+        spread = max(margin * forecast, NOISE_SIGMAS * self.noise())
+        return max(forecast + spread, self.last_rate * (1 + margin))
+
+    def workload(self, rate: float) -> Workload:
+        """The recent length mix (history_s of windows, else older, else the prior) at `rate`,
+        with the last window's queues."""
+        c = self.config
+        last = self.last
+        return Workload(
+            rate=rate,
+            prompts=self._prompts or LengthDist.single(c.prior_prompt_tokens),
+            outputs=self._outputs or LengthDist.single(c.prior_output_tokens),
+            uncached=self._uncached,
+            queued_prompt_tokens=float(last.queued_prompt_tokens) if last else 0.0,
+            prefill_waiting=last.prefill_waiting if last else 0,
+            decode_running=last.decode_running if last else 0,
+            decode_waiting=last.decode_waiting if last else 0,
+        )
+
+    def last_window_workload(self) -> Workload | None:
+        """The last window alone (its own length mix at its own rate), when it holds enough
+        prompts to stand on: a burst of long prompts shows here before the history absorbs it."""
+        last = self.last
+        if last is None or last.prompt_lengths.count < MIN_WINDOW_PROMPTS:
+            return None
+        recent = self.workload(last.arrival_rate)
+        prompts = LengthDist.of(last.prompt_lengths)
+        outputs = LengthDist.of(last.output_lengths)
+        recent.prompts = prompts or recent.prompts
+        if outputs is not None and last.output_lengths.count >= MIN_WINDOW_PROMPTS:
+            recent.outputs = outputs
+        if last.prompt_lengths.total > 0:
+            recent.uncached = min(1.0, last.uncached_prompt_tokens / last.prompt_lengths.total)
+        return recent
+
+    def burst_workload(self) -> Workload | None:
+        """The last window's length mix at the scale-up rate, when its prompts or answers are
+        longer than the recent history's by more than BURST_SIGMAS standard errors (a burst
+        of long prompts shows here before the history absorbs it; a window's sampling noise
+        does not start a worker). None otherwise."""
+        last = self.last_window_workload()
+        if last is None:
+            return None
+        heavier = _heavier(last.prompts, self._prompts, self.last.prompt_lengths.count)
+        if last.outputs is not self._outputs:
+            count = self.last.output_lengths.count
+            heavier = heavier or _heavier(last.outputs, self._outputs, count)
+        if not heavier:
+            return None
+        last.rate = self.up_rate()
+        return last
+
+
+def _heavier(recent: LengthDist, history: LengthDist | None, count: int) -> bool:
+    if history is None:
+        return False
+    sd = math.sqrt(max(history.second_moment() - history.mean() ** 2, 0.0))
+    return recent.mean() > history.mean() + BURST_SIGMAS * sd / math.sqrt(max(count, 1))
+
+
+def _end(window: WindowSignals) -> float:
+    return window.start_s + window.duration_s

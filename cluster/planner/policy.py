@@ -1,0 +1,482 @@
+"""`Planner`: the pure policy that sizes the prefill and decode pools each interval.
+
+Lifecycle of one `decide(now, window, pools)`:
+
+1. observe: the window joins the demand history (rate forecast, length mix, queues);
+2. correct: where the window is fair evidence (enough samples, no worker starting, draining or
+   just changed, no backlog the model already explains), the capacity factor that makes the
+   model predict the observed TTFT p90 / TPOT p50 is blended into that pool's correction
+   (EWMA, clamped per step and overall); without evidence the correction decays toward 1;
+3. size: `sizing.plan_pools` for the demand expected when a worker asked for now would be
+   ready (up: the forecast plus its noise, or a burst's own rate and length mix; down: the
+   forecast plus a margin that grows with the noise), conditional disaggregation included;
+4. step each pool: up at once (after `up_cooldown_s`), counting starting workers as there;
+   down by at most `down_step` only after `down_stable_windows` windows in a row wanted fewer,
+   `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s`, and
+   never while it has a backlog; min/max always; then the GPU budget (`fit_budget`),
+   draining workers included.
+
+`desired` is the number of workers each pool should have once start-ups finish (ready plus
+starting, draining excluded). Every decision says why per pool (`reasons`, `causes`) and what
+the planner predicts at the desired sizes (`predicted`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from bench.capacity_profile import CapacityProfile
+from router.signals import WindowSignals
+
+from .config import PlannerConfig
+from .correction import (
+    CORRECTION_RANGE,
+    PREFILL_FLOOR,
+    blend,
+    relax,
+    solve_decode,
+    solve_prefill,
+)
+from .demand import DemandTracker, LengthDist, Workload
+from .sizing import (
+    Bounds,
+    Corrections,
+    PoolPlan,
+    Targets,
+    burst_prefill_workers,
+    decode_load,
+    decode_tpot_p50,
+    local_ttft_p90,
+    plan_pools,
+    prefill_load,
+    prefill_ttft_p90,
+)
+from .types import DECODE_POOL, PREFILL_POOL, Decision, PoolCounts
+
+POOLS = (PREFILL_POOL, DECODE_POOL)
+MAX_LOCAL_SHARE = 0.2  # above it, TTFT p90 is not the prefill pool's alone: no evidence
+LATENCY_FACTOR = 1.1  # an up with a correction above this is put down to observed latency
+
+
+@dataclass(slots=True)
+class PoolState:
+    last_change_s: float = -math.inf
+    down_streak: int = 0
+    # (time, workers the scale-up sizing asked for): the peaks down_hold_s remembers.
+    asked: deque[tuple[float, int]] = field(default_factory=deque)
+    settle_until_s: float = -math.inf  # latency before this is not evidence
+    last_ready: int | None = None
+
+
+def fit_budget(
+    desired: dict[str, int],
+    base: dict[str, int],
+    cap: int | None,
+    urgency: dict[str, float],
+    floors: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """`desired` cut to at most `cap` workers in all. Each pool keeps its `base` (what it has,
+    or less if it wants less); the room above the bases goes to the pools' shortfalls in
+    proportion, the last workers to the most urgent pool (SLO furthest off) first. No pool
+    goes below its floor (its minimum; the caller's cap holds the floors)."""
+    if cap is None or sum(desired.values()) <= cap:
+        return dict(desired)
+    low = floors or {}
+    out = {p: min(base[p], desired[p]) for p in desired}
+    while sum(out.values()) > cap:  # bases over the cap: take from the least urgent
+        above = [p for p in out if out[p] > low.get(p, 0)]
+        if not above:
+            raise ValueError(f"a cap of {cap} workers cannot hold the floors {low}")
+        pool = min(above, key=lambda p: (urgency.get(p, 0), -out[p]))
+        out[pool] -= 1
+    room = cap - sum(out.values())
+    short = {p: desired[p] - out[p] for p in desired}
+    total = sum(short.values())
+    grant = {p: room * short[p] // total for p in desired}
+    room -= sum(grant.values())
+    for p in sorted(desired, key=lambda p: -urgency.get(p, 0)):
+        extra = min(room, short[p] - grant[p])
+        grant[p], room = grant[p] + extra, room - extra
+    return {p: out[p] + grant[p] for p in desired}
+
+
+def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int]:
+    """The pools' minimums, or (with `expected_rate_rps`) what that load needs: the sizes
+    every adaptive policy starts from (the first workers asked for serve a start-up later)."""
+    c = config
+    sizes = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
+    if c.expected_rate_rps:
+        wl = Workload(
+            c.expected_rate_rps,
+            LengthDist.exponential(c.prior_prompt_tokens),
+            LengthDist.exponential(c.prior_output_tokens),
+        )
+        targets = Targets(
+            c.slo_ttft_s,
+            c.slo_tpot_s,
+            c.headroom,
+            c.disagg_threshold,
+            c.arrival_scv,
+            c.tpot_tail_share,
+        )
+        bounds = Bounds(c.min_prefill, c.max_prefill, c.min_decode, c.max_decode)
+        plan = plan_pools(profile, wl, targets, Corrections(), bounds)
+        sizes = {PREFILL_POOL: plan.prefill.workers, DECODE_POOL: plan.decode.workers}
+    floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
+    return fit_budget(sizes, sizes, c.budget_workers(profile.gpus_per_worker), {}, floors)
+
+
+class Planner:
+    """The planner policy (see the module doc); deterministic, no I/O, no clock of its own."""
+
+    name = "planner"
+
+    def __init__(self, profile: CapacityProfile, config: PlannerConfig) -> None:
+        self.profile, self.config = profile, config
+        self.startup_s = config.resolved_startup_s(profile.startup_s)
+        self.budget = config.budget_workers(profile.gpus_per_worker)
+        self.targets = Targets(
+            config.slo_ttft_s,
+            config.slo_tpot_s,
+            config.headroom,
+            config.disagg_threshold,
+            config.arrival_scv,
+            config.tpot_tail_share,
+        )
+        self.bounds = Bounds(
+            config.min_prefill, config.max_prefill, config.min_decode, config.max_decode
+        )
+        self.demand = DemandTracker(config, self.startup_s)
+        self.corrections = {PREFILL_POOL: 1.0, DECODE_POOL: 1.0}
+        self.state = {pool: PoolState() for pool in POOLS}
+
+    # -- the Policy interface ----------------------------------------------------------------
+    def initial(self) -> dict[str, int]:
+        """The pools' minimums, or (with `expected_rate_rps`) what the expected load needs."""
+        return warm_start(self.profile, self.config)
+
+    def decide(self, now: float, window: WindowSignals, pools: PoolCounts) -> Decision:
+        if not self.demand.windows:  # the first decision: the initial sizes took effect at
+            for st in self.state.values():  # the window's start and count as a change, so
+                st.last_change_s = max(st.last_change_s, window.start_s)  # a warm start is
+        self.demand.observe(window)  # not undone by the first quiet seconds of traffic
+        self._note_ready_changes(now, pools)
+        self._correct(now, window, pools)
+        corr = Corrections(self.corrections[PREFILL_POOL], self.corrections[DECODE_POOL])
+        have = {pool: pools.provisioned(pool) for pool in POOLS}
+        prefer_local = have[PREFILL_POOL] == 0
+        queued_wl = self.demand.workload(self.demand.up_rate())
+        up_wl = self._residual_backlog(queued_wl, pools, corr)
+        up = self._plan(up_wl, corr, prefer_local)
+        plans = {PREFILL_POOL: up, DECODE_POOL: up}
+        burst_wl = self.demand.burst_workload()
+        if burst_wl is not None:  # a burst of long prompts or answers, before history absorbs it
+            burst = self._plan(burst_wl, corr, prefer_local)
+            for pool in POOLS:
+                if _workers(burst, pool) > _workers(up, pool):
+                    plans[pool] = burst
+        down = self._plan(self.demand.workload(self.demand.down_rate()), corr, prefer_local)
+        # Any queue holds a pool's size, even one its workers will drain before a new one.
+        queued = prefill_load(self.profile, queued_wl, self.targets, corr.prefill)
+        backlog = {
+            PREFILL_POOL: bool(not up.local_only and queued and queued.backlog_tokens > 0),
+            DECODE_POOL: window.decode_waiting > 0,
+        }
+        held = {PREFILL_POOL: 0 if up.local_only else self._burst_hold(corr), DECODE_POOL: 0}
+        desired, causes, reasons = {}, {}, {}
+        for pool in POOLS:
+            need_up = max(_workers(plans[pool], pool), held[pool])
+            need_down = max(_workers(down, pool), held[pool])
+            desired[pool], causes[pool], reasons[pool] = self._step(
+                pool, now, need_up, need_down, have[pool], backlog[pool], plans[pool]
+            )
+            if held[pool] and held[pool] >= desired[pool] > _workers(plans[pool], pool):
+                reasons[pool] += (
+                    f"; burst hold: {_tok(self.demand.held_peak_tokens_1s)} prompt tokens "
+                    f"within 1 s (recent peak, decaying) need {held[pool]} workers"
+                )
+        self._fit_budget(desired, causes, reasons, have, pools, up_wl, corr)
+        for pool in POOLS:
+            self._record(pool, now, desired[pool], have[pool])
+        predicted = self._predicted(up_wl, up, desired, corr)
+        return Decision(desired, reasons, causes, predicted)
+
+    # -- sizing ------------------------------------------------------------------------------
+    def _plan(self, wl: Workload, corr: Corrections, prefer_local: bool) -> PoolPlan:
+        return plan_pools(self.profile, wl, self.targets, corr, self.bounds, prefer_local)
+
+    def _burst_hold(self, corr: Corrections) -> int:
+        """Prefill workers the held 1-s burst peak needs (within max_prefill)."""
+        peak = self.demand.held_peak_tokens_1s
+        n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill)
+        return min(n, self.bounds.max_prefill)
+
+    def _residual_backlog(self, wl: Workload, pools: PoolCounts, corr: Corrections) -> Workload:
+        """`wl` with only the queued prompt tokens the ready prefill workers will not have
+        drained by the time a worker asked for now is ready: a worker started for a backlog
+        that is gone before it serves is a start-up's worth of GPU time for nothing."""
+        ready = pools.ready.get(PREFILL_POOL, 0)
+        if ready < 1 or wl.queued_prompt_tokens <= 0:
+            return wl
+        mu = self.profile.prefill_tokens_per_s() / max(corr.prefill, 1.0)
+        arriving = wl.rate * wl.prompts.mean() * wl.uncached
+        drained = max(0.0, ready * mu - arriving) * self.startup_s
+        left = max(0.0, wl.queued_prompt_tokens - drained)
+        share = left / wl.queued_prompt_tokens
+        return replace(
+            wl, queued_prompt_tokens=left, prefill_waiting=math.ceil(wl.prefill_waiting * share)
+        )
+
+    def _bounds_of(self, pool: str) -> tuple[int, int]:
+        b = self.bounds
+        if pool == PREFILL_POOL:
+            return b.min_prefill, b.max_prefill
+        return b.min_decode, b.max_decode
+
+    # -- hysteresis --------------------------------------------------------------------------
+    def _step(
+        self,
+        pool: str,
+        now: float,
+        need_up: int,
+        need_down: int,
+        have: int,
+        backlog: bool,
+        plan: PoolPlan,
+    ) -> tuple[int, str, str]:
+        """(desired, cause, reason) of one pool before the budget."""
+        c, st = self.config, self.state[pool]
+        lo, hi = self._bounds_of(pool)
+        st.asked.append((now, need_up))
+        while st.asked and st.asked[0][0] < now - c.down_hold_s:
+            st.asked.popleft()
+        # Never below what the last window needs, nor the peaks of the last down_hold_s.
+        need_down = max(need_down, max(n for _, n in st.asked))
+        if have < lo or have > hi:
+            n = min(max(have, lo), hi)
+            return n, "bounds", f"bounds: {have} -> {n} workers (min {lo}, max {hi})"
+        if need_up > have:
+            st.down_streak = 0
+            wait = st.last_change_s + c.up_cooldown_s - now
+            if wait > 0:
+                return have, "cooldown", f"cooldown: wants {need_up}, {wait:.0f} s to go"
+            cause, why = _explain(pool, plan, self.targets)
+            factor = self.corrections[pool]
+            if cause == "demand" and factor > LATENCY_FACTOR:
+                cause, why = "latency", f"{why} (capacity / {factor:.2f}: observed latency)"
+            return need_up, cause, f"up: {have} -> {need_up}: {why}"
+        if need_down >= have:
+            st.down_streak = 0
+            _, why = _explain(pool, plan, self.targets)
+            return have, "steady", f"steady at {have} (fewer only with margin to spare): {why}"
+        st.down_streak += 1
+        if backlog:
+            return have, "backlog", f"holding {have}: a backlog is queued (wants {need_down})"
+        wait = st.last_change_s + c.down_cooldown_s - now
+        if st.down_streak < c.down_stable_windows or wait > 0:
+            return (
+                have,
+                "cooldown",
+                (
+                    f"cooldown: wants {need_down} for {min(st.down_streak, c.down_stable_windows)}"
+                    f"/{c.down_stable_windows} windows, {max(wait, 0):.0f} s of down cooldown left"
+                ),
+            )
+        step = max(c.down_step, math.floor(c.down_fraction * have))
+        n = have - min(step, have - need_down)
+        return (
+            n,
+            "idle",
+            (
+                f"down: {have} -> {n}: {need_down} would carry the forecast with margin "
+                f"for {st.down_streak} windows"
+            ),
+        )
+
+    def _fit_budget(
+        self,
+        desired: dict[str, int],
+        causes: dict[str, str],
+        reasons: dict[str, str],
+        have: dict[str, int],
+        pools: PoolCounts,
+        wl: Workload,
+        corr: Corrections,
+    ) -> None:
+        if self.budget is None:
+            return
+        draining = sum(pools.draining.get(pool, 0) for pool in POOLS)
+        cap = max(self.budget - draining, self.bounds.min_prefill + self.bounds.min_decode)
+        if sum(desired.values()) <= cap:
+            return
+        urgency = self._urgency(have, wl, corr)
+        fitted = fit_budget(desired, have, cap, urgency, self._floors())
+        for pool in POOLS:
+            if fitted[pool] < desired[pool]:
+                reasons[pool] = (
+                    f"budget: {self.config.gpu_budget} GPUs ({draining} draining) allow "
+                    f"{fitted[pool]} of the {desired[pool]} wanted; {reasons[pool]}"
+                )
+                causes[pool] = "budget"
+            desired[pool] = fitted[pool]
+
+    def _floors(self) -> dict[str, int]:
+        return {PREFILL_POOL: self.bounds.min_prefill, DECODE_POOL: self.bounds.min_decode}
+
+    def _urgency(self, have: dict[str, int], wl: Workload, corr: Corrections) -> dict[str, float]:
+        """How far each pool's SLO is off at its current size (predicted / target)."""
+        share, _, local = wl.prompts.split(self.targets.disagg_threshold)
+        pload = prefill_load(self.profile, wl, self.targets, corr.prefill)
+        ttft = prefill_ttft_p90(self.profile, pload, have[PREFILL_POOL], self.targets)
+        dload = decode_load(self.profile, wl, self.targets, corr, local, 1 - share)
+        tpot = decode_tpot_p50(self.profile, dload, have[DECODE_POOL])
+        return {
+            PREFILL_POOL: ttft / self.targets.slo_ttft_s if pload else 0.0,
+            DECODE_POOL: tpot / self.targets.slo_tpot_s,
+        }
+
+    def _record(self, pool: str, now: float, desired: int, have: int) -> None:
+        st = self.state[pool]
+        if desired == have:
+            return
+        st.last_change_s, st.down_streak = now, 0
+        # New workers serve after start-up; a drain moves load for about an interval.
+        settle = self.startup_s + self.config.interval_s if desired > have else 0.0
+        st.settle_until_s = max(st.settle_until_s, now + settle + 2 * self.config.interval_s)
+
+    def _note_ready_changes(self, now: float, pools: PoolCounts) -> None:
+        """A worker that just became ready (or left) makes the next window's latency unfair."""
+        for pool in POOLS:
+            st, ready = self.state[pool], pools.ready.get(pool, 0)
+            if st.last_ready is not None and ready != st.last_ready:
+                # Its first windows still report requests that queued before it was ready.
+                st.settle_until_s = max(st.settle_until_s, now + 2 * self.config.interval_s)
+            st.last_ready = ready
+
+    # -- correction ----------------------------------------------------------------------------
+    def _correct(self, now: float, window: WindowSignals, pools: PoolCounts) -> None:
+        """Blend this window's evidence into each pool's factor, or relax the factor."""
+        c = self.config
+        wl = self.demand.last_window_workload() or self.demand.workload(window.arrival_rate)
+        targets = self.targets
+        evidence: dict[str, float | None] = {PREFILL_POOL: None, DECODE_POOL: None}
+        if self._fair(PREFILL_POOL, now, pools, window.ttft.count, window):
+            ready = pools.ready.get(PREFILL_POOL, 0)
+            evidence[PREFILL_POOL] = solve_prefill(
+                self.profile, wl, targets, ready, window.ttft.p90
+            )
+        if self._fair(DECODE_POOL, now, pools, window.tpot.count, window):
+            ready = pools.ready.get(DECODE_POOL, 0)
+            local_all = pools.ready.get(PREFILL_POOL, 0) == 0
+            evidence[DECODE_POOL] = solve_decode(
+                self.profile,
+                wl,
+                targets,
+                self.corrections[PREFILL_POOL],
+                ready,
+                local_all,
+                window.tpot.p50,
+            )
+        for pool, target in evidence.items():
+            old = self.corrections[pool]
+            if target is None:
+                self.corrections[pool] = relax(old, c.correction_decay)
+            else:
+                floor = PREFILL_FLOOR if pool == PREFILL_POOL else CORRECTION_RANGE[0]
+                self.corrections[pool] = blend(old, target, c.correction_alpha, floor)
+
+    def _fair(
+        self, pool: str, now: float, pools: PoolCounts, samples: int, window: WindowSignals
+    ) -> bool:
+        """Whether the window's latency of `pool` says something about its workers' speed:
+        enough samples, every worker settled (none starting, draining or just changed), and
+        no queue the backlog term already explains."""
+        if samples < self.config.correction_min_samples or not math.isfinite(
+            window.ttft.p90 if pool == PREFILL_POOL else window.tpot.p50
+        ):
+            return False
+        if (
+            pools.ready.get(pool, 0) < 1
+            or pools.starting.get(pool, 0)
+            or pools.draining.get(pool, 0)
+        ):
+            return False
+        if now < self.state[pool].settle_until_s:
+            return False
+        if pool == DECODE_POOL:
+            return window.decode_waiting == 0
+        if window.arrivals and window.local_prefills / window.arrivals > MAX_LOCAL_SHARE:
+            return False
+        wl = self.demand.workload(window.arrival_rate)
+        load = prefill_load(self.profile, wl, self.targets)
+        return load is not None and load.backlog_tokens == 0
+
+    # -- reports -------------------------------------------------------------------------------
+    def _predicted(
+        self, wl: Workload, plan: PoolPlan, desired: dict[str, int], corr: Corrections
+    ) -> dict[str, float]:
+        """What the planner expects at the desired sizes (non-finite values left out: an
+        overloaded pool's latency has no number)."""
+        share, _, local = wl.prompts.split(self.targets.disagg_threshold)
+        p = desired[PREFILL_POOL]
+        if p == 0:
+            local, share = wl.prompts, 0.0
+        pload = prefill_load(self.profile, wl, self.targets, corr.prefill) if p else None
+        dload = decode_load(self.profile, wl, self.targets, corr, local, 1 - share)
+        ttfts = [local_ttft_p90(self.profile, dload, desired[DECODE_POOL], self.targets)]
+        if pload is not None:
+            ttfts.append(prefill_ttft_p90(self.profile, pload, p, self.targets))
+        out = {
+            "arrival_rate": wl.rate,
+            "forecast_rate": self.demand.forecast_rate(),
+            "prefill_tokens_per_s": pload.tokens_per_s if pload else 0.0,
+            "decode_tokens_per_s": dload.tokens_per_s,
+            "ttft_p90_s": max(ttfts),
+            "tpot_p50_s": decode_tpot_p50(self.profile, dload, desired[DECODE_POOL]),
+            "prefill_correction": corr.prefill,
+            "decode_correction": corr.decode,
+        }
+        return {k: float(v) for k, v in out.items() if math.isfinite(v)}
+
+
+def _explain(pool: str, plan: PoolPlan, targets: Targets) -> tuple[str, str]:
+    """(cause, a sentence with the numbers) of `pool`'s size under `plan`."""
+    if pool == PREFILL_POOL:
+        pre = plan.prefill
+        if pre.load is None or plan.local_only:
+            return "demand", f"{pre.note or 'no prompts for the prefill pool'}"
+        load = pre.load
+        text = (
+            f"{_tok(load.tokens_per_s)} prompt tok/s forecast + {_tok(load.backlog_tokens)} "
+            f"queued tokens need {pre.workers} workers at {_tok(load.mu)} tok/s each for "
+            f"TTFT p90 <= {_ms(targets.slo_ttft_s)} (predicted {_ms(pre.ttft_p90_s)})"
+        )
+        return pre.cause, text + (f"; {pre.note}" if pre.note else "")
+    dec = plan.decode
+    load = dec.load
+    text = (
+        f"{_tok(load.tokens_per_s)} output tok/s forecast need {dec.workers} workers at "
+        f"{_tok(dec.tokens_per_s_per_worker)} tok/s each (batch {dec.batch} at "
+        f"{load.context:.0f} context tokens) for TPOT p50 <= {_ms(targets.slo_tpot_s)} "
+        f"(predicted {_ms(dec.tpot_p50_s)})"
+    )
+    if load.local_rate > 0:
+        busy = load.local_work / max(dec.workers, 1)
+        text += f", {busy:.0%} of their time prefilling {load.local_rate:.1f} prompts/s"
+    return dec.cause, text + (f"; {dec.note}" if dec.note else "")
+
+
+def _workers(plan: PoolPlan, pool: str) -> int:
+    return plan.prefill.workers if pool == PREFILL_POOL else plan.decode.workers
+
+
+def _tok(n: float) -> str:
+    if n >= 1e6:
+        return f"{n / 1e6:.1f}M"
+    return f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if math.isfinite(seconds) else "inf"

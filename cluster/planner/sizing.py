@@ -1,0 +1,516 @@
+"""How many workers a `Workload` needs: pure functions of a `CapacityProfile`, the load and
+the SLO targets (no state, no clock; the planner and its tests call them directly).
+
+Prefill (TTFT, p90). A prefill worker is a server of `mu` uncached prompt tokens/s (full
+steps of `max_batch_tokens`); P workers are an M/G/P queue fed by the prompts at or above the
+disaggregation threshold. A step holds whatever is queued (up to its budget), so the work
+ahead of a prompt is done at the full-step rate, and the prompt then takes its own time:
+
+    TTFT p90 = request_overhead + wait_p90(P) + prefill_s(p90 prompt)
+
+(checked against the simulator on the Azure conversation trace: observed / predicted has a
+median of 1.0 across utilisations; adding a step in progress and the step's other prompts
+over-predicts by 30%, dropping the wait under-predicts 3x near saturation), where wait_p90
+is the exponential-tail form of the Allen-Cunneen approximation:
+P(wait > t) = ErlangC(P, a) * exp(-t / theta), theta = E[S] (ca^2 + cs^2) / 2 / (P - a),
+a = rate * E[S], the service-time SCV cs^2 from the histogram buckets. A queued backlog above
+what the target tolerates (rate * TTFT target tokens) must drain within the target on top of
+the demand: P >= (demand + excess / slo_ttft) / mu.
+
+Decode (TPOT). A sequence with prompt p and output o spends o steps at contexts p..p+o, so
+the time-weighted context of a running sequence is E[p] + E[o^2] / (2 E[o]) (long answers
+stay longer). An answer's first decode token also waits for its KV and a step boundary, which
+short answers feel most (`step_goal`). The largest batch B whose step meets that goal at that
+context (and whose KV fits the cache) gives a worker B / step(B) tokens/s. Prompts
+prefilled on decode workers (shorter than the threshold, or all of them with no prefill pool)
+take a share f of each decode worker's time (mixed steps), which stretches every step by
+1 / (1 - f): D must carry the output tokens, fit the sequences already in flight, and meet
+the TTFT target of those local prefills.
+
+Corrections (`Corrections`, from observed vs predicted latency) scale the time a step takes:
+prefill steps by `prefill`, decode steps by `decode` (1: the profile is right).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from bench.capacity_profile import CapacityProfile
+
+from .demand import LengthDist, Workload
+
+# The p90 of a wait whose tail is C * exp(-t / theta): theta * ln(C / (1 - 0.9)).
+TAIL = 0.1
+BOUNDARY_WAIT = 0.5  # steps a KV that just arrived waits for the next decode step, on average
+
+
+@dataclass(slots=True, frozen=True)
+class Targets:
+    """SLO targets and model settings every sizing call shares."""
+
+    slo_ttft_s: float
+    slo_tpot_s: float
+    headroom: float = 0.1
+    disagg_threshold: int = 0
+    arrival_scv: float = 1.0
+    tpot_tail_share: float = 0.05
+
+    @property
+    def ttft_goal(self) -> float:
+        return self.slo_ttft_s * (1 - self.headroom)
+
+    @property
+    def tpot_goal(self) -> float:
+        return self.slo_tpot_s * (1 - self.headroom)
+
+    @property
+    def max_utilisation(self) -> float:
+        return 1 - self.headroom
+
+
+@dataclass(slots=True, frozen=True)
+class Corrections:
+    prefill: float = 1.0
+    decode: float = 1.0
+
+
+@dataclass(slots=True, frozen=True)
+class PrefillLoad:
+    """The prefill pool's share of a workload, with the correction applied."""
+
+    rate: float  # requests/s sent to the prefill pool
+    tokens_per_s: float  # their uncached prompt tokens/s
+    mu: float  # one worker's uncached tokens/s in full steps
+    mean_service_s: float  # E[S] on one server of mu tokens/s
+    service_scv: float
+    p90_tokens: float  # uncached tokens of the p90 prompt
+    backlog_tokens: float  # queued uncached tokens beyond what the TTFT target tolerates
+    correction: float
+
+    def corrected(self, factor: float) -> PrefillLoad:
+        """The same load on workers whose steps take `factor` times the profile's."""
+        scale = _capacity_factor(factor) / _capacity_factor(self.correction)
+        return replace(
+            self, mu=self.mu / scale, mean_service_s=self.mean_service_s * scale, correction=factor
+        )
+
+
+def _capacity_factor(correction: float) -> float:
+    """A correction above 1 (slower steps) lowers a prefill worker's throughput; one below 1
+    only shortens its steps. A TTFT lower than predicted says the latency model is pessimistic
+    more often than that the worker out-computes its profile, and taking it as extra
+    throughput would shrink the pool into saturation."""
+    return max(correction, 1.0)
+
+
+@dataclass(slots=True)
+class PrefillPlan:
+    workers: int
+    cause: str  # "demand", "backlog", or "bounds" (the max binds)
+    load: PrefillLoad | None
+    ttft_p90_s: float
+    met: bool
+    note: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeLoad:
+    rate: float
+    tokens_per_s: float  # output tokens/s
+    context: float  # time-weighted context tokens per running sequence
+    local_rate: float  # requests/s prefilled on decode workers
+    local_work: float  # seconds of decode-worker time per second those prefills take
+    local_service_s: float  # E[S] of one local prefill
+    local_scv: float
+    local_p90_s: float  # the p90 local prompt's own prefill time
+    in_flight: int  # sequences running or waiting on the decode pool now
+    prefill_corr: float
+    decode_corr: float
+    step_goal_s: float  # the longest (stretched) step that keeps answers within TPOT
+
+
+@dataclass(slots=True)
+class DecodePlan:
+    workers: int
+    cause: str  # "demand", "backlog", or "bounds" (the max binds)
+    load: DecodeLoad
+    batch: int  # largest batch per worker meeting the TPOT target
+    tokens_per_s_per_worker: float
+    tpot_p50_s: float
+    local_ttft_p90_s: float
+    met: bool
+    note: str = ""
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    prefill: PrefillPlan
+    decode: DecodePlan
+    local_only: bool  # no prefill pool: every prompt prefilled on decode workers
+
+    @property
+    def workers(self) -> int:
+        return self.prefill.workers + self.decode.workers
+
+    @property
+    def met(self) -> bool:
+        return self.prefill.met and self.decode.met
+
+    @property
+    def ttft_p90_s(self) -> float:
+        if self.local_only or self.prefill.load is None:
+            return self.decode.local_ttft_p90_s
+        if self.decode.load.local_rate > 0:
+            return max(self.prefill.ttft_p90_s, self.decode.local_ttft_p90_s)
+        return self.prefill.ttft_p90_s
+
+
+# -- queueing ----------------------------------------------------------------------------------
+def erlang_c(servers: int, offered: float) -> float:
+    """Probability an arrival waits in M/M/c with `offered` = rate * E[S] (1 when saturated)."""
+    if servers < 1 or offered >= servers:
+        return 1.0
+    if offered <= 0:
+        return 0.0
+    b = 1.0
+    for k in range(1, servers + 1):  # Erlang B by its stable recursion
+        b = offered * b / (k + offered * b)
+    return b / (1 - (offered / servers) * (1 - b))
+
+
+def wait_p90(servers: int, offered: float, mean_service_s: float, scv: float) -> float:
+    """p90 of the queueing wait (Allen-Cunneen scaled, exponential tail); inf when saturated."""
+    if servers < 1 or offered >= servers:
+        return math.inf
+    c = erlang_c(servers, offered)
+    if c <= TAIL or mean_service_s <= 0:
+        return 0.0
+    theta = mean_service_s * scv / (servers - offered)
+    return theta * math.log(c / TAIL)
+
+
+def _service_moments(times: list[tuple[float, float]]) -> tuple[float, float]:
+    """(E[S], SCV) of service times given as (share, seconds)."""
+    es = sum(p * s for p, s in times)
+    es2 = sum(p * s * s for p, s in times)
+    return es, (es2 / (es * es) - 1 if es > 0 else 0.0)
+
+
+# -- prefill -----------------------------------------------------------------------------------
+def prefill_load(
+    profile: CapacityProfile, wl: Workload, targets: Targets, correction: float = 1.0
+) -> PrefillLoad | None:
+    """The part of `wl` the prefill pool serves (None: every prompt is below the threshold)."""
+    share, remote, _ = wl.prompts.split(targets.disagg_threshold)
+    if remote is None:
+        return None
+    u = wl.uncached
+    mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
+    es, scv = _service_moments([(p, m * u / mu) for p, m, _ in remote.parts])
+    if u == 0:
+        es, scv = 0.0, 0.0
+    rate = wl.rate * share
+    tokens = rate * remote.mean() * u
+    remote_token_share = share * remote.mean() / wl.prompts.mean() if wl.prompts.mean() else 0
+    queued = max(wl.queued_prompt_tokens * remote_token_share, wl.prefill_waiting * remote.mean())
+    excess = max(0.0, queued * u - tokens * targets.ttft_goal)
+    return PrefillLoad(
+        rate=rate,
+        tokens_per_s=tokens,
+        mu=mu,
+        mean_service_s=es,
+        service_scv=max(scv, 0.0),
+        p90_tokens=remote.quantile(0.9) * u,
+        backlog_tokens=excess,
+        correction=correction,
+    )
+
+
+def prefill_ttft_p90(
+    profile: CapacityProfile, load: PrefillLoad, workers: int, targets: Targets
+) -> float:
+    """Predicted TTFT p90 of the prefill path with `workers` workers (inf: overloaded)."""
+    if workers < 1:
+        return math.inf
+    offered = load.rate * load.mean_service_s
+    wait = wait_p90(
+        workers, offered, load.mean_service_s, (targets.arrival_scv + load.service_scv) / 2
+    )
+    # The wait is the work queued ahead of it, done at the full-step rate (a step holds
+    # what is queued, up to its budget); then its own tokens take the time they take.
+    own = load.correction * profile.prefill_s(load.p90_tokens)
+    return profile.request_overhead_s + wait + own
+
+
+def size_prefill(
+    profile: CapacityProfile, load: PrefillLoad | None, targets: Targets, lo: int, hi: int
+) -> PrefillPlan:
+    """The fewest prefill workers in [lo, hi] meeting the TTFT target and draining the backlog."""
+    if load is None or load.rate <= 0:
+        ttft = prefill_ttft_p90(profile, load, max(lo, 1), targets) if load else 0.0
+        return PrefillPlan(lo, "demand", load, ttft, True, "no prompts for the prefill pool")
+    need_tput = load.tokens_per_s / (load.mu * targets.max_utilisation)
+    # With no queueing and no other prompt, the p90 prompt still takes its own step.
+    floor = profile.request_overhead_s + load.correction * profile.prefill_s(load.p90_tokens)
+    by_ttft, met, note = None, True, ""
+    if floor > targets.ttft_goal:
+        by_ttft, met = math.ceil(need_tput), False
+        note = f"the p90 prompt alone takes {_ms(floor)} > the target: sized for throughput"
+    else:
+        for n in range(max(lo, 1, math.ceil(need_tput)), hi + 1):
+            if prefill_ttft_p90(profile, load, n, targets) <= targets.ttft_goal:
+                by_ttft = n
+                break
+    capped = by_ttft is None
+    if capped:
+        by_ttft, met, note = hi, False, f"{hi} workers (the max) cannot meet the TTFT target"
+    by_backlog = math.ceil((load.tokens_per_s + load.backlog_tokens / targets.slo_ttft_s) / load.mu)
+    wanted = max(by_ttft, by_backlog, lo)
+    workers = min(wanted, hi)
+    if wanted > hi:
+        capped, met = True, False
+        note = note or f"{wanted} workers needed, the max is {hi}"
+    cause = "backlog" if by_backlog > by_ttft and workers > lo else "demand"
+    cause = "bounds" if capped else cause
+    ttft = prefill_ttft_p90(profile, load, workers, targets)
+    return PrefillPlan(workers, cause, load, ttft, met and ttft <= targets.ttft_goal, note)
+
+
+def burst_prefill_workers(
+    profile: CapacityProfile, peak_tokens_1s: float, targets: Targets, correction: float = 1.0
+) -> int:
+    """Prefill workers that keep a burst of `peak_tokens_1s` uncached prompt tokens arriving
+    within one second under the TTFT target: C tokens/s of capacity leave the burst's last
+    prompt (t = 1 s) (X - C) / C s of queue, and its own step takes `own`, so C (1 + goal -
+    own) >= X. 0 for no burst."""
+    if peak_tokens_1s <= 0:
+        return 0
+    mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
+    own = profile.request_overhead_s + correction * profile.prefill_s(profile.max_batch_tokens)
+    return math.ceil(peak_tokens_1s / (mu * (1 + max(targets.ttft_goal - own, 0.0))) - 1e-9)
+
+
+# -- decode ------------------------------------------------------------------------------------
+def decode_load(
+    profile: CapacityProfile,
+    wl: Workload,
+    targets: Targets,
+    corrections: Corrections,
+    local: LengthDist | None,
+    local_share: float,
+) -> DecodeLoad:
+    """The decode pool's work: every output token, plus the prefills of `local` prompts (a
+    `local_share` of the requests) done on decode workers."""
+    eo = max(wl.outputs.mean(), 1.0)
+    context = wl.prompts.mean() + wl.outputs.second_moment() / (2 * eo)
+    local_rate = wl.rate * local_share if local is not None else 0.0
+    es = scv = p90_s = 0.0
+    if local is not None:
+        # A mixed step reads the weights once: a prefill adds its time less the fixed part.
+        times = [
+            (p, corrections.prefill * _local_prefill_s(profile, m * wl.uncached))
+            for p, m, _ in local.parts
+        ]
+        es, scv = _service_moments(times)
+        p90_s = corrections.prefill * profile.prefill_s(local.quantile(0.9) * wl.uncached)
+    return DecodeLoad(
+        rate=wl.rate,
+        tokens_per_s=wl.rate * eo,
+        context=context,
+        local_rate=local_rate,
+        local_work=local_rate * es,
+        local_service_s=es,
+        local_scv=max(scv, 0.0),
+        local_p90_s=p90_s,
+        in_flight=wl.decode_running + wl.decode_waiting,
+        prefill_corr=corrections.prefill,
+        decode_corr=corrections.decode,
+        step_goal_s=step_goal(profile, wl, targets, 0.0 if local_share >= 1 else None),
+    )
+
+
+def step_goal(
+    profile: CapacityProfile, wl: Workload, targets: Targets, transfer_s: float | None = None
+) -> float:
+    """The longest decode step that keeps all but `tpot_tail_share` of the answers within
+    the TPOT target. An answer of n tokens has TPOT = step + (hand-off + wait)/(n - 1) +
+    token overhead: its first decode token waits for the KV transfer (`transfer_s`, default
+    the mean prompt's) and the next step boundary (half a step on average), spread over its
+    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go."""
+    goal = targets.tpot_goal - profile.token_overhead_s
+    handoff = profile.transfer_s(wl.prompts.mean()) if transfer_s is None else transfer_s
+    needs = sorted(
+        ((goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1)), p)
+        for p, n, _ in wl.outputs.parts
+        if n >= 2
+    )
+    skipped = 0.0
+    for need, share in needs:
+        if skipped + share > targets.tpot_tail_share:
+            return need
+        skipped += share
+    return goal
+
+
+def _local_prefill_s(profile: CapacityProfile, tokens: float) -> float:
+    return max(0.0, profile.prefill_s(tokens) - profile.decode_fixed_s) if tokens > 0 else 0.0
+
+
+def decode_batch(profile: CapacityProfile, load: DecodeLoad, share_busy: float) -> int:
+    """Largest batch per worker whose step (stretched by local prefills taking `share_busy`
+    of the time, and by the decode correction) stays within the load's step goal, and whose
+    KV fits the cache; 0 when not even one sequence meets it."""
+    room = load.step_goal_s * (1 - share_busy) / load.decode_corr
+    per_seq = profile.decode_per_seq_s + profile.decode_per_ctx_token_s * load.context
+    by_time = (room - profile.decode_fixed_s) / per_seq if per_seq > 0 else profile.max_num_seqs
+    by_kv = profile.kv_capacity_tokens / max(load.context, 1.0)
+    return max(0, int(min(math.floor(by_time), math.floor(by_kv), profile.max_num_seqs)))
+
+
+def decode_tpot_p50(
+    profile: CapacityProfile, load: DecodeLoad, workers: int, batch: float | None = None
+) -> float:
+    """Predicted TPOT with `workers` decode workers; `batch` per worker if known (observed),
+    else Little's law: b = (rate_tokens / D) * step(b) / (1 - f) solved for b. inf: overloaded."""
+    if workers < 1:
+        return math.inf
+    f = load.local_work / workers
+    if f >= 1:
+        return math.inf
+    per_seq = profile.decode_per_seq_s + profile.decode_per_ctx_token_s * load.context
+    if batch is None:
+        r = load.tokens_per_s * load.decode_corr / (workers * (1 - f))
+        if r * per_seq >= 1:
+            return math.inf
+        batch = r * profile.decode_fixed_s / (1 - r * per_seq)
+    step = profile.decode_step_s(max(batch, 1.0), max(batch, 1.0) * load.context)
+    return load.decode_corr * step / (1 - f) + profile.token_overhead_s
+
+
+def local_ttft_p90(
+    profile: CapacityProfile, load: DecodeLoad, workers: int, targets: Targets
+) -> float:
+    """Predicted TTFT p90 of prompts prefilled on decode workers (0 when there are none)."""
+    if load.local_rate <= 0:
+        return 0.0
+    if workers < 1:
+        return math.inf
+    scv = (targets.arrival_scv + load.local_scv) / 2
+    wait = wait_p90(workers, load.local_work, load.local_service_s, scv)
+    # It also waits for the step in progress and rides a step with the running batch.
+    step = decode_tpot_p50(profile, load, workers) - profile.token_overhead_s
+    return profile.request_overhead_s + wait + load.local_p90_s + 2 * step
+
+
+def _decode_fits(
+    profile: CapacityProfile, load: DecodeLoad, n: int, targets: Targets
+) -> tuple[int, float, bool, bool]:
+    """(batch, tokens/s per worker, carries the demand, fits what is in flight) for n workers."""
+    f = load.local_work / n
+    if f >= targets.max_utilisation:
+        return 0, 0.0, False, False
+    batch = decode_batch(profile, load, f)
+    if batch < 1:
+        return 0, 0.0, False, False
+    step = load.decode_corr * profile.decode_step_s(batch, batch * load.context) / (1 - f)
+    per_worker = batch / step
+    carries = n * per_worker >= load.tokens_per_s
+    if load.local_rate > 0:
+        carries = carries and local_ttft_p90(profile, load, n, targets) <= targets.ttft_goal
+    return batch, per_worker, carries, n * batch >= load.in_flight
+
+
+def size_decode(
+    profile: CapacityProfile, load: DecodeLoad, targets: Targets, lo: int, hi: int
+) -> DecodePlan:
+    """The fewest decode workers in [lo, hi] meeting the TPOT target (and the TTFT target of
+    local prefills) for the demand and for the sequences already in flight."""
+    by_demand = chosen = None
+    for n in range(max(lo, 1), hi + 1):
+        batch, per_worker, carries, fits = _decode_fits(profile, load, n, targets)
+        if carries and by_demand is None:
+            by_demand = n
+        if carries and fits:
+            chosen = n
+            break
+    met, note = True, ""
+    if chosen is None:
+        chosen, met = hi, False
+        batch, per_worker, _, _ = _decode_fits(profile, load, hi, targets)
+        note = f"{hi} workers (the max) cannot meet the TPOT target"
+        if batch < 1:
+            note = (
+                f"no batch keeps TPOT <= {_ms(targets.tpot_goal)} (a {_ms(load.step_goal_s)} "
+                f"step) at {load.context:.0f} context tokens"
+            )
+    cause = "backlog" if by_demand is not None and chosen > by_demand else "demand"
+    cause = cause if met else "bounds"
+    return DecodePlan(
+        workers=chosen,
+        cause=cause,
+        load=load,
+        batch=batch,
+        tokens_per_s_per_worker=per_worker,
+        tpot_p50_s=decode_tpot_p50(profile, load, chosen),
+        local_ttft_p90_s=local_ttft_p90(profile, load, chosen, targets),
+        met=met,
+        note=note,
+    )
+
+
+# -- both pools --------------------------------------------------------------------------------
+@dataclass(slots=True, frozen=True)
+class Bounds:
+    min_prefill: int
+    max_prefill: int
+    min_decode: int
+    max_decode: int
+
+
+def plan_disaggregated(
+    profile: CapacityProfile, wl: Workload, targets: Targets, corr: Corrections, bounds: Bounds
+) -> PoolPlan:
+    """A prefill pool for prompts at or above the threshold, the rest prefilled on decode."""
+    share, _, local = wl.prompts.split(targets.disagg_threshold)
+    load = prefill_load(profile, wl, targets, corr.prefill)
+    lo = max(bounds.min_prefill, 1)
+    prefill = size_prefill(profile, load, targets, lo, bounds.max_prefill)
+    dload = decode_load(profile, wl, targets, corr, local, 1.0 - share)
+    decode = size_decode(profile, dload, targets, bounds.min_decode, bounds.max_decode)
+    return PoolPlan(prefill, decode, local_only=False)
+
+
+def plan_local(
+    profile: CapacityProfile, wl: Workload, targets: Targets, corr: Corrections, bounds: Bounds
+) -> PoolPlan:
+    """No prefill pool: every prompt is prefilled on a decode worker (mixed steps)."""
+    dload = decode_load(profile, wl, targets, corr, wl.prompts, 1.0)
+    decode = size_decode(profile, dload, targets, bounds.min_decode, bounds.max_decode)
+    prefill = PrefillPlan(0, "demand", None, 0.0, True, "every prompt prefilled on decode")
+    return PoolPlan(prefill, decode, local_only=True)
+
+
+def plan_pools(
+    profile: CapacityProfile,
+    wl: Workload,
+    targets: Targets,
+    corr: Corrections,
+    bounds: Bounds,
+    prefer_local: bool = False,
+) -> PoolPlan:
+    """The cheaper of "prefill pool + decode pool" and (when min_prefill is 0) "decode pool
+    only", among those meeting both targets; ties go to the current mode (`prefer_local`)."""
+    split = plan_disaggregated(profile, wl, targets, corr, bounds)
+    if bounds.min_prefill > 0:
+        return split
+    local = plan_local(profile, wl, targets, corr, bounds)
+    if local.met != split.met:
+        return local if local.met else split
+    if local.workers != split.workers:
+        return local if local.workers < split.workers else split
+    return local if prefer_local else split
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if math.isfinite(seconds) else "inf"

@@ -1,0 +1,256 @@
+"""`simulate`: one trace through the simulated cluster under one scaling policy.
+
+Lifecycle of a run: the policy's `initial()` sizes are READY at t=0 -> the loop takes the
+earlier of the next trace arrival and the next heap event (workers becoming ready, KV
+landing, worker steps ending, planner ticks) -> every `interval_s` the window that ended goes
+to `policy.decide(now, window, pools)`, and the cluster starts or drains workers to match
+(the decision and its reasons are logged) -> the run ends when every request has finished
+(or, as a guard, `max_overrun_s` after the last arrival, or once `abort_after_misses`
+requests missed the SLO: a sweep stops a split that can no longer reach its target) ->
+`SimResult` (per-request latencies, GPU-hours, decisions, pool timeline, demand).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+from bench.capacity_profile import CapacityProfile
+from cluster.planner.types import Decision, Policy
+from cluster.simulator.cluster_model import SimCluster, tpot_s
+from cluster.simulator.events import (
+    ARRIVAL,
+    KV_LANDED,
+    STEP_END,
+    TICK,
+    WORKER_READY,
+    EventQueue,
+    Flight,
+)
+from cluster.simulator.traces import SimRequest
+from cluster.simulator.window import WindowRecorder
+from cluster.simulator.workers import Worker
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """How a run is judged and driven. `startup_s` None: the profile's."""
+
+    slo_ttft_s: float = 1.0
+    slo_tpot_s: float = 0.1
+    interval_s: float = 10.0
+    disagg_threshold: int = 0
+    startup_s: float | None = None
+    # Debug reference: one event per decode step (the macro-steps must give the same run).
+    step_by_step: bool = False
+    max_overrun_s: float = 6 * 3600.0
+    abort_after_misses: int | None = None
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("slo_ttft_s", "slo_tpot_s", "interval_s", "max_overrun_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be > 0, got {v}")
+        if self.disagg_threshold < 0:
+            raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
+        if self.startup_s is not None and not (self.startup_s >= 0):
+            raise ValueError(f"startup_s must be >= 0, got {self.startup_s}")
+        if self.abort_after_misses is not None and self.abort_after_misses < 0:
+            raise ValueError(f"abort_after_misses must be >= 0, got {self.abort_after_misses}")
+
+
+@dataclass(slots=True)
+class SimResult:
+    """What a run produced. Latency lists have one entry per request in trace order: NaN
+    where the request never got there (TTFT, TPOT) or has no TPOT (one output token)."""
+
+    policy: str
+    config: SimConfig
+    ttft_s: list[float]
+    tpot_s: list[float]
+    output_lens: list[int]
+    finish_s: list[float]  # simulated time of the last token
+    finished: int
+    end_s: float
+    gpu_hours: float
+    wall_s: float
+    aborted: str | None = None  # why the run stopped before every request finished
+    decisions: list[dict] = field(default_factory=list)
+    timeline: list[tuple[float, str, int, int, int]] = field(default_factory=list)
+    demand: list[dict] = field(default_factory=list)
+    workers: list[dict] = field(default_factory=list)
+    # Per request: (prefill worker id, decode worker id); None where it had none (yet).
+    placements: list[tuple[int | None, int | None]] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.ttft_s)
+
+    @property
+    def met(self) -> int:
+        """Requests meeting both targets (unfinished ones miss)."""
+        ttft_ok, tpot_ok = self.config.slo_ttft_s, self.config.slo_tpot_s
+        return sum(
+            1
+            for ttft, tpot, n in zip(self.ttft_s, self.tpot_s, self.output_lens, strict=True)
+            if ttft <= ttft_ok and (tpot <= tpot_ok if n > 1 else True)
+        )
+
+    @property
+    def attainment(self) -> float:
+        return self.met / self.requests if self.requests else 1.0
+
+
+def simulate(
+    requests: list[SimRequest],
+    profile: CapacityProfile,
+    policy: Policy,
+    config: SimConfig | None = None,
+) -> SimResult:
+    if not requests:
+        raise ValueError("no requests to simulate")
+    if any(b.arrival_s < a.arrival_s for a, b in zip(requests, requests[1:], strict=False)):
+        raise ValueError("requests must be in arrival order")
+    return _Run(requests, profile, policy, config or SimConfig()).run()
+
+
+class _Run:
+    def __init__(
+        self, requests: list[SimRequest], profile: CapacityProfile, policy: Policy, cfg: SimConfig
+    ) -> None:
+        self.requests, self.profile, self.policy, self.cfg = requests, profile, policy, cfg
+        self.queue = EventQueue()
+        self.recorder = WindowRecorder(0.0)
+        self.cluster = SimCluster(
+            profile,
+            queue=self.queue,
+            recorder=self.recorder,
+            disagg_threshold=cfg.disagg_threshold,
+            startup_s=profile.startup_s if cfg.startup_s is None else cfg.startup_s,
+            slo_ttft_s=cfg.slo_ttft_s,
+            slo_tpot_s=cfg.slo_tpot_s,
+            step_by_step=cfg.step_by_step,
+        )
+        self.flights = [Flight(i, r) for i, r in enumerate(requests)]
+        self.decisions: list[dict] = []
+        self.demand: list[dict] = []
+
+    def run(self) -> SimResult:
+        wall0 = time.perf_counter()
+        for pool, n in self.policy.initial().items():
+            for _ in range(n):
+                self.cluster.add_worker(pool, 0.0, ready_now=True)
+        self.queue.push(self.cfg.interval_s, TICK, None)
+        now, aborted = self._loop(wall0)
+        return self._result(now, aborted, time.perf_counter() - wall0)
+
+    def _loop(self, wall0: float) -> tuple[float, str | None]:
+        flights, n, queue, cluster = self.flights, len(self.flights), self.queue, self.cluster
+        last_arrival = self.requests[-1].arrival_s
+        deadline = last_arrival + self.cfg.max_overrun_s
+        abort_after = self.cfg.abort_after_misses
+        progress = _Progress(last_arrival, n, wall0) if self.cfg.progress else None
+        i, now = 0, 0.0
+        handlers = {
+            WORKER_READY: cluster.on_ready,
+            KV_LANDED: cluster.kv_landed,
+            TICK: lambda _target, t: self._tick(t),
+        }
+        while cluster.finished_count < n:
+            if abort_after is not None and cluster.missed > abort_after:
+                return now, f"more than {abort_after} requests missed the SLO"
+            t_next, kind = queue.peek_key()
+            if i < n and (flights[i].request.arrival_s, ARRIVAL) <= (t_next, kind):
+                now = flights[i].request.arrival_s
+                cluster.arrive(flights[i], now)
+                i += 1
+                continue
+            if t_next > deadline:
+                return now, f"unfinished {deadline - last_arrival:.0f} s after the last arrival"
+            now, kind, target, version = queue.pop()
+            if kind == STEP_END:
+                target.on_step_end(now, version)
+            else:
+                handlers[kind](target, now)
+            if progress is not None:
+                progress.update(now, cluster.finished_count)
+        return now, None
+
+    def _tick(self, now: float) -> None:
+        window, demand = self.recorder.close(now, self.cluster.queue_state())
+        pools = self.cluster.pool_counts()
+        decision: Decision = self.policy.decide(now, window, pools)
+        self.demand.append(demand)
+        self.decisions.append(
+            {
+                "t": now,
+                "ready": dict(pools.ready),
+                "starting": dict(pools.starting),
+                "draining": dict(pools.draining),
+                "desired": dict(decision.desired),
+                "reasons": dict(decision.reasons),
+                "causes": dict(decision.causes),
+                "predicted": dict(decision.predicted),
+            }
+        )
+        self.cluster.resize(decision.desired, now)
+        self.queue.push(now + self.cfg.interval_s, TICK, None)
+
+    def _result(self, end_s: float, aborted: str | None, wall_s: float) -> SimResult:
+        overhead = self.profile.request_overhead_s
+        ttft, tpot = [], []
+        for f in self.flights:
+            ttft.append(f.first_token_s - f.request.arrival_s + overhead)
+            t = tpot_s(f, self.profile.token_overhead_s) if not math.isnan(f.finish_s) else None
+            tpot.append(math.nan if t is None else t)
+        workers = [
+            {"pool": w.pool, "asked_s": w.asked_s, "ready_s": w.ready_s, "left_s": w.left_s}
+            for w in self.cluster.workers
+        ]
+        return SimResult(
+            policy=self.policy.name,
+            config=self.cfg,
+            ttft_s=ttft,
+            tpot_s=tpot,
+            output_lens=[r.output_len for r in self.requests],
+            finish_s=[f.finish_s for f in self.flights],
+            finished=self.cluster.finished_count,
+            end_s=end_s,
+            gpu_hours=self.cluster.gpu_hours(end_s),
+            wall_s=wall_s,
+            aborted=aborted,
+            decisions=self.decisions,
+            timeline=self.cluster.timeline,
+            demand=self.demand,
+            workers=workers,
+            placements=[(_wid(f.prefill), _wid(f.decode)) for f in self.flights],
+        )
+
+
+def _wid(worker: Worker | None) -> int | None:
+    return None if worker is None else worker.wid
+
+
+class _Progress:
+    """A line on stderr every 10% of the trace's simulated span."""
+
+    __slots__ = ("span", "n", "wall0", "next_mark")
+
+    def __init__(self, span_s: float, n: int, wall0: float) -> None:
+        self.span, self.n, self.wall0 = max(span_s, 1e-9), n, wall0
+        self.next_mark = 0.1
+
+    def update(self, now: float, finished: int) -> None:
+        if now < self.next_mark * self.span:
+            return
+        wall = time.perf_counter() - self.wall0
+        print(
+            f"simulate: t={now:.0f}s ({min(now / self.span, 9.99):.0%} of the trace), "
+            f"{finished}/{self.n} finished, {wall:.1f}s wall",
+            file=sys.stderr,
+        )
+        while self.next_mark * self.span <= now:
+            self.next_mark += 0.1

@@ -1,0 +1,203 @@
+"""The simulator's input: a trace of requests (arrival, prompt and output length, and the
+prompt's block hash ids where the trace has them).
+
+Two formats:
+- the Azure LLM inference trace CSVs (`../shared/traces/*.csv`), read by `bench.traces`;
+- the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
+  `input_length`, `output_length` and `hash_ids` (one id per `BLOCK_TOKENS`-token block of the
+  prompt; equal ids at the same place mean a shared prefix, which a prefix cache can hit).
+
+Lifecycle: `load_requests(path, fmt)` -> `SimRequest`s in arrival order, arrivals relative to
+the first -> `shape_requests(...)` (cut a window, scale time and lengths, superimpose copies
+for a higher rate) -> `simulate`.
+Every function returns a new list.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.traces import load_trace
+
+FORMATS = ("auto", "azure", "mooncake")
+# Mooncake's hash_ids cover the prompt in blocks of this many tokens.
+BLOCK_TOKENS = 512
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    """One request of a trace. Lengths are at least 1: every request has a prompt and makes at
+    least its first token. `hash_ids` is empty when the trace has no block ids."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    hash_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.arrival_s) and self.arrival_s >= 0):
+            raise ValueError(f"arrival_s must be finite and >= 0, got {self.arrival_s}")
+        if self.prompt_len < 1 or self.output_len < 1:
+            raise ValueError(
+                f"prompt_len and output_len must be >= 1, got {self.prompt_len}, {self.output_len}"
+            )
+
+
+def detect_format(path: str | Path) -> str:
+    """`azure` for a .csv, `mooncake` for .jsonl/.json; otherwise by the first non-empty line
+    (a JSON object is Mooncake, anything else Azure)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return "azure"
+    if suffix in (".jsonl", ".json"):
+        return "mooncake"
+    try:
+        with path.open() as f:
+            for line in f:
+                if line.strip():
+                    return "mooncake" if line.lstrip().startswith("{") else "azure"
+    except OSError as e:
+        raise ValueError(f"cannot read trace {path}: {e}") from e
+    raise ValueError(f"{path}: empty trace")
+
+
+def load_requests(path: str | Path, fmt: str = "auto") -> list[SimRequest]:
+    """Read a trace of either format (`fmt` one of FORMATS), in arrival order."""
+    if fmt not in FORMATS:
+        raise ValueError(f"trace format must be one of {FORMATS}, got {fmt!r}")
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"no trace at {path}")
+    if fmt == "auto":
+        fmt = detect_format(path)
+    if fmt == "mooncake":
+        return load_mooncake(path)
+    # The Azure CSVs have no zero lengths, but other CSVs might: a request makes >= 1 token.
+    return [
+        SimRequest(r.arrival_s, max(1, r.prompt_len), max(1, r.output_len))
+        for r in load_trace(path)
+    ]
+
+
+def load_mooncake(path: str | Path) -> list[SimRequest]:
+    """Read a Mooncake JSONL trace; a bad line is a ValueError naming the file, line and
+    field."""
+    path = Path(path)
+    rows: list[tuple[float, int, int, tuple[int, ...]]] = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                rows.append(_mooncake_row(line, f"{path}:{lineno}"))
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep the file's order
+    t0 = rows[0][0]
+    return [SimRequest((t - t0) / 1000.0, p, o, h) for t, p, o, h in rows]
+
+
+def _mooncake_row(line: str, where: str) -> tuple[float, int, int, tuple[int, ...]]:
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: a Mooncake line is a JSON object")
+    missing = [k for k in MOONCAKE_FIELDS if k not in obj]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}")
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise ValueError(f"{where}: timestamp must be a number of milliseconds, got {ts!r}")
+    lengths = []
+    for name in ("input_length", "output_length"):
+        v = obj[name]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{where}: {name} must be an integer >= 0, got {v!r}")
+        lengths.append(max(1, v))
+    hashes = obj.get("hash_ids", [])
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hashes
+    ):
+        raise ValueError(f"{where}: hash_ids must be a list of integers")
+    return float(ts), lengths[0], lengths[1], tuple(hashes)
+
+
+def shape_requests(
+    requests: list[SimRequest],
+    *,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    max_requests: int | None = None,
+    rate_scale: int = 1,
+    rate_jitter_s: float = 5.0,
+    seed: int = 0,
+) -> list[SimRequest]:
+    """Cut and scale a trace: keep arrivals in [start_s, start_s + duration_s) (trace seconds),
+        re-based to 0; then multiply arrival offsets by `time_scale` (2.0 halves the rate) and
+        lengths by `length_scale` (rounded, >= 1); keep the first `max_requests`. Block hash ids
+        beyond a scaled prompt are dropped (a block id stands for BLOCK_TOKENS tokens). Then
+    `rate_scale` copies are superimposed (`superimpose`)."""
+    for name, v, ok in (
+        ("start_s", start_s, start_s >= 0),
+        ("time_scale", time_scale, time_scale > 0),
+        ("length_scale", length_scale, length_scale > 0),
+        ("duration_s", duration_s, duration_s is None or duration_s > 0),
+        ("max_requests", max_requests, max_requests is None or max_requests >= 1),
+    ):
+        if not ok or (isinstance(v, float) and not math.isfinite(v)):
+            raise ValueError(f"{name} must be > 0 (start_s >= 0), got {v}")
+    end = math.inf if duration_s is None else start_s + duration_s
+    kept = [r for r in requests if start_s <= r.arrival_s < end]
+    if max_requests is not None:
+        kept = kept[:max_requests]
+    if not kept:
+        raise ValueError(f"no requests in [{start_s}, {end}) s of the trace")
+    t0 = kept[0].arrival_s
+    out = []
+    for r in kept:
+        prompt = max(1, round(r.prompt_len * length_scale))
+        output = max(1, round(r.output_len * length_scale))
+        hashes = r.hash_ids[: math.ceil(prompt / BLOCK_TOKENS)]
+        out.append(SimRequest((r.arrival_s - t0) * time_scale, prompt, output, hashes))
+    return superimpose(out, rate_scale, rate_jitter_s, seed)
+
+
+def superimpose(
+    requests: list[SimRequest], copies: int, jitter_s: float = 5.0, seed: int = 0
+) -> list[SimRequest]:
+    """`copies` copies of the trace merged in arrival order, copy k shifted by an offset drawn
+    uniformly from [0, jitter_s) (copy 0 unshifted; `seed` fixes the draws): `copies` times
+    the rate with the trace's own shape kept (its minute-scale swings, length mix and bursts;
+    a burst becomes `copies` bursts within `jitter_s`), where compressing time would also
+    shorten every swing. Copies k >= 1 get their block hash ids offset so that they share no
+    prefix with other copies (distinct users sending alike traffic)."""
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"rate_scale must be an integer >= 1, got {copies!r}")
+    if not (math.isfinite(jitter_s) and jitter_s >= 0):
+        raise ValueError(f"rate_jitter_s must be >= 0, got {jitter_s}")
+    if copies == 1:
+        return list(requests)
+    rng = random.Random(seed)
+    span = 1 + max((h for r in requests for h in r.hash_ids), default=0)
+    merged = list(requests)
+    for k in range(1, copies):
+        offset = rng.uniform(0.0, jitter_s)
+        merged.extend(
+            SimRequest(
+                r.arrival_s + offset,
+                r.prompt_len,
+                r.output_len,
+                tuple(h + k * span for h in r.hash_ids),
+            )
+            for r in requests
+        )
+    merged.sort(key=lambda r: r.arrival_s)  # stable: a copy's order within an instant kept
+    return merged

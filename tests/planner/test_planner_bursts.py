@@ -1,0 +1,124 @@
+"""Bursts, backlogs and warm starts: the burst hold (a 1-s prompt peak held with a decaying
+half-life), scale-ups only for the backlog a new worker would still find, proportional
+scale-down, and the warm start every adaptive policy shares."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from planner_fakes import follow, pools, round_profile, window
+
+from cluster.planner import make_policy
+from cluster.planner.config import PlannerConfig
+from cluster.planner.demand import LengthDist
+from cluster.planner.policy import Planner, warm_start
+from cluster.planner.sizing import Targets, burst_prefill_workers
+from cluster.planner.types import DECODE_POOL, PREFILL_POOL
+
+PROFILE = round_profile()  # 20k prompt tok/s per prefill worker, a full step takes 0.5 s
+P, D = PREFILL_POOL, DECODE_POOL
+
+
+def config(**overrides) -> PlannerConfig:
+    fields = dict(
+        slo_ttft_ms=1000, slo_tpot_ms=50, max_prefill=16, max_decode=16, up_noise_sigmas=0
+    )
+    fields.update(overrides)
+    return PlannerConfig(**fields)
+
+
+def with_peak(w, peak: int):
+    w.peak_prompt_tokens_1s = peak
+    return w
+
+
+def test_burst_workers_clear_a_one_second_burst_within_the_target():
+    t = Targets(1.0, 0.05)  # goal 0.9 s; own full step 0.5 s: C * 1.4 >= X
+    assert burst_prefill_workers(PROFILE, 0, t) == 0
+    assert burst_prefill_workers(PROFILE, 28_000, t) == 1
+    assert burst_prefill_workers(PROFILE, 28_001, t) == 2
+    assert burst_prefill_workers(PROFILE, 140_000, t) == 5
+    # Slower workers (correction 2) need twice as many.
+    assert burst_prefill_workers(PROFILE, 140_000, t, correction=2.0) > 5
+
+
+def test_a_burst_grows_the_prefill_pool_and_the_hold_decays():
+    planner = Planner(PROFILE, config(down_cooldown_s=0, burst_half_life_s=60))
+    quiet = [window(10 * i, 2) for i in range(6)]
+    follow(planner, quiet)
+    burst = with_peak(window(60, 2), 140_000)
+    d = planner.decide(70, burst, pools(1, 1))
+    assert d.desired[P] == 5 and "burst hold" in d.reasons[P]
+    have, sizes = [5, d.desired[D]], []
+    for i in range(60):  # ten minutes of quiet: ten half-lives
+        w = window(70 + 10 * i, 2)
+        d = planner.decide(80 + 10 * i, w, pools(*have))
+        have = [d.desired[P], d.desired[D]]
+        sizes.append(have[0])
+    assert sizes[:3] == [5, 5, 5]  # held while the peak is fresh
+    assert sizes[-1] == 1 and all(b <= a for a, b in zip(sizes, sizes[1:], strict=False))
+
+
+def test_no_burst_hold_when_it_is_off():
+    planner = Planner(PROFILE, config(burst_half_life_s=0))
+    d = planner.decide(10, with_peak(window(0, 2), 140_000), pools(1, 1))
+    assert d.desired[P] == 1
+
+
+def test_a_steady_load_with_steady_peaks_does_not_oscillate():
+    planner = Planner(PROFILE, config())
+    rng = random.Random(3)
+    windows = [with_peak(window(10 * i, 40), 60_000 + rng.randrange(5_000)) for i in range(200)]
+    sizes = follow(planner, windows)
+    changes = sum(1 for a, b in zip(sizes[20:], sizes[21:], strict=False) if a != b)
+    assert changes == 0
+
+
+def test_the_budget_holds_under_the_burst_hold():
+    planner = Planner(PROFILE, config(gpu_budget=6))
+    have = [1, 1]
+    for i in range(30):
+        w = with_peak(window(10 * i, 30), 500_000 if i % 7 == 0 else 0)
+        d = planner.decide(10 * i + 10, w, pools(*have))
+        have = [d.desired[P], d.desired[D]]
+        assert sum(have) <= 6
+
+
+def test_only_the_backlog_left_after_a_start_up_adds_workers():
+    # 4 ready workers (80k tok/s) against 20k tok/s arriving drain 60k tok/s: 3.6M tokens
+    # in a 60 s start-up. A 1M-token queue is gone before a new worker serves; of 3.7M, 100k
+    # are left: 82k over what the target tolerates, drained within it by 6 workers.
+    small, large = (
+        Planner(PROFILE, config()).decide(10, window(0, 20, queued_tokens=q), pools(4, 2))
+        for q in (1_000_000, 3_700_000)
+    )
+    assert small.desired[P] <= 4
+    assert large.desired[P] == 6 and large.causes[P] == "backlog"
+
+
+def test_a_large_surplus_comes_down_a_share_at_a_time():
+    planner = Planner(PROFILE, config(down_cooldown_s=0, down_stable_windows=1))
+    cut = planner.decide(10, window(0, 2), pools(16, 16)).desired
+    assert cut == {P: 12, D: 12}  # 25% of 16, more than down_step = 1
+    slow = Planner(PROFILE, config(down_cooldown_s=0, down_stable_windows=1, down_fraction=0))
+    assert slow.decide(10, window(0, 2), pools(16, 16)).desired == {P: 15, D: 15}
+
+
+def test_every_adaptive_policy_shares_the_warm_start_and_keeps_it_a_cooldown():
+    cfg = config(expected_rate_rps=40, expected_prompt_tokens=1000, expected_output_tokens=200)
+    warm = warm_start(PROFILE, cfg)
+    assert warm[P] > 1 and warm[D] >= 1
+    for spec in ("planner", "dynamo", "threshold"):
+        assert make_policy(spec, PROFILE, cfg).initial() == warm
+    # The first quiet windows do not undo it before the down cooldown.
+    planner = Planner(PROFILE, cfg)
+    sizes = follow(planner, [window(10 * i, 1) for i in range(6)], start=(warm[P], warm[D]))
+    assert sizes[0] == (warm[P], warm[D]) and sizes[5] == (warm[P], warm[D])
+
+
+def test_the_exponential_prior_has_its_mean_and_a_long_tail():
+    dist = LengthDist.exponential(200)
+    assert math.isclose(dist.mean(), 200, rel_tol=0.05)
+    assert dist.quantile(0.99) > 3 * 200 > 200 > dist.quantile(0.1)
+    assert dist.second_moment() > 1.5 * 200**2  # 2 m^2 for an exponential

@@ -1,0 +1,128 @@
+"""Demand: length distributions from histograms, the Holt forecast, the tracker's windows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from planner_fakes import window
+
+from cluster.planner.config import PlannerConfig
+from cluster.planner.demand import DemandTracker, HoltForecast, LengthDist
+from router.signals import LengthHistogram
+
+
+def hist(*lengths: int) -> LengthHistogram:
+    h = LengthHistogram()
+    for n in lengths:
+        h.add(n)
+    return h
+
+
+def test_one_repeated_length_is_exact():
+    d = LengthDist.of(hist(*[1000] * 50))
+    assert d.mean() == 1000
+    # Bucket (512, 1024] with mean 1000: uniform on [976, 1024] -> p90 = 976 + 0.9 * 48.
+    assert d.quantile(0.9) == pytest.approx(1019.2)
+    assert d.second_moment() == pytest.approx(1000**2 + 24**2 / 3)
+
+
+def test_quantile_and_moments_follow_the_buckets():
+    # 90 prompts of 100 tokens, 10 of 3000: the tail bucket holds the p95.
+    d = LengthDist.of(hist(*[100] * 90, *[3000] * 10))
+    assert d.mean() == pytest.approx(0.9 * 100 + 0.1 * 3000)
+    assert d.quantile(0.5) < 128 < 2048 < d.quantile(0.95) <= 4096
+    assert LengthDist.of(LengthHistogram()) is None
+
+
+def test_split_by_threshold_renormalises_both_parts():
+    d = LengthDist.of(hist(*[100] * 75, *[3000] * 25))
+    share, above, below = d.split(1000)
+    assert share == pytest.approx(0.25)
+    assert above.mean() == 3000 and below.mean() == 100
+    assert d.split(0)[0] == 1.0 and d.split(0)[2] is None
+    assert d.split(10**6)[1] is None
+
+
+def test_holt_follows_a_ramp_ahead_and_holds_a_constant():
+    flat = HoltForecast(0.5, 0.1, 0.85)
+    for _ in range(50):
+        flat.update(10.0)
+    assert flat.forecast(7) == pytest.approx(10.0)
+    ramp = HoltForecast(0.5, 0.1, 0.85)
+    for i in range(50):
+        ramp.update(10.0 + i)
+    assert ramp.forecast(7) > 59  # ahead of the last value, the damped trend's reach
+    falling = HoltForecast(0.5, 0.1, 0.85)
+    for i in range(20):
+        falling.update(max(0.0, 10.0 - 2 * i))
+    assert falling.forecast(7) == 0.0  # never negative
+    assert HoltForecast(0.5, 0.1, 0.85).forecast(3) == 0.0
+
+
+def test_tracker_forecasts_for_the_ready_time_and_scales_up_on_the_last_window():
+    t = DemandTracker(PlannerConfig(interval_s=10, up_noise_sigmas=0), startup_s=60)
+    assert t.horizon_steps() == 7
+    for i in range(20):
+        t.observe(window(10 * i, 5.0))
+    t.observe(window(200, 40.0))
+    assert t.forecast_rate() < 40.0
+    assert t.up_rate() == 40.0  # a burst is never smoothed away
+
+
+def test_scale_up_adds_noise_and_scale_down_needs_margin():
+    t = DemandTracker(PlannerConfig(interval_s=10, down_margin=0.15), startup_s=60)
+    for i in range(50):
+        t.observe(window(10 * i, 40.0))
+    # A constant series: no forecast error, so the noise is a window's Poisson count's.
+    assert t.noise() == pytest.approx(math.sqrt(40 / 10))
+    assert t.up_rate() == pytest.approx(40 + 2.0)
+    assert t.down_rate() == pytest.approx(40 + max(0.15 * 40, 4 * 2.0))
+    noisy = DemandTracker(PlannerConfig(interval_s=10), startup_s=60)
+    for i in range(50):
+        noisy.observe(window(10 * i, 40.0 + (8 if i % 2 else -8)))
+    assert noisy.noise() > 8  # the Holt one-step error, well above Poisson's 2
+    assert noisy.down_rate() > 40 + 4 * 8
+
+
+def test_tracker_keeps_history_s_of_lengths_then_older_then_the_prior():
+    t = DemandTracker(PlannerConfig(history_s=30, default_output_tokens=77), startup_s=0)
+    assert t.workload(1.0).prompts.mean() == 1024  # the prior before anything arrived
+    assert t.workload(1.0).outputs.mean() == 77
+    for i in range(5):
+        t.observe(window(10 * i, 10.0, prompt=4000, output=50))
+    for i in range(5, 10):
+        t.observe(window(10 * i, 10.0, prompt=100, output=50))
+    assert t.workload(1.0).prompts.mean() == 100  # only the last 30 s: 300 prompts
+    t.observe(window(100, 0.0))  # nothing arrived: the last 30 s hold 200 prompts of 100
+    assert t.workload(1.0).prompts.mean() == 100
+    t.observe(window(110, 0.0))  # 100 in the last 30 s: older windows fill up to 200
+    assert t.workload(1.0).prompts.mean() == pytest.approx((100 * 100 + 100 * 100) / 200)
+    t.observe(window(120, 0.0))
+    t.observe(window(130, 0.0))  # nothing in the last 30 s: the newest 200 samples
+    assert t.workload(1.0).prompts.mean() == 100
+
+
+def test_a_few_stragglers_do_not_stand_for_the_distribution():
+    # After a burst, the last requests to finish are its longest answers: with fewer than
+    # 200 samples in history_s, older windows fill in.
+    t = DemandTracker(PlannerConfig(history_s=60), startup_s=0)
+    for i in range(10):
+        t.observe(window(10 * i, 10.0, prompt=1000, output=20))
+    straggler = window(100, 0.0)
+    straggler.output_lengths.add(1899)
+    t.observe(straggler)
+    for i in range(11, 17):
+        t.observe(window(10 * i, 0.0))
+    assert t.workload(1.0).outputs.mean() < 40
+
+
+def test_tracker_uncached_share_and_last_window_view():
+    t = DemandTracker(PlannerConfig(), startup_s=0)
+    t.observe(window(0, 1.0, prompt=1000, uncached=0.4))  # 10 prompts: too thin alone
+    assert t.workload(1.0).uncached == pytest.approx(0.4)
+    assert t.last_window_workload() is None
+    t.observe(window(10, 5.0, prompt=8000, uncached=1.0, queued_tokens=12_345))
+    last = t.last_window_workload()
+    assert last.rate == 5.0 and last.prompts.mean() == 8000 and last.uncached == 1.0
+    assert last.queued_prompt_tokens == 12_345

@@ -1,0 +1,75 @@
+"""The cost of a prefill step of several chunks (cluster/simulator/prefill_cost.py): attention
+is per prompt, so k prompts in one step cost less than one prompt of as many tokens, a chunk
+after earlier chunks of its prompt pays for reading them, and one fresh prompt costs exactly
+the profile's curve. Hand-computed on a curve that is exactly a + b*n + q*n^2."""
+
+from __future__ import annotations
+
+from pytest import approx
+
+from cluster.simulator import SimConfig, simulate
+from cluster.simulator.prefill_cost import PrefillCost, attention_coefficient
+from sim_fakes import FixedPolicy, make_profile, req
+
+A, B, Q = 0.005, 1e-4, 1e-7
+
+
+def quadratic(n: int) -> float:
+    return A + B * n + Q * n * n
+
+
+def curved_profile(**overrides):
+    points = [(n, quadratic(n)) for n in (16, 100, 150, 200, 250, 400, 600, 800, 1000)]
+    return make_profile(prefill_points=points, **overrides)
+
+
+def test_the_fit_finds_the_curve_s_attention_term():
+    assert attention_coefficient(curved_profile()) == approx(Q, rel=1e-6)
+    # A straight curve (the round-number profile of the other tests) has none.
+    assert attention_coefficient(make_profile()) == 0.0
+    straight = make_profile(prefill_points=[(100, 0.02), (500, 0.06), (1000, 0.11)])
+    assert attention_coefficient(straight) == approx(0.0, abs=1e-15)
+
+
+def test_one_fresh_prompt_costs_the_profile_s_curve():
+    profile = curved_profile()
+    cost = PrefillCost(profile)
+    for n in (16, 300, 1000):
+        assert cost.step_s([(n, 0)]) == approx(profile.prefill_s(n))
+
+
+def test_prompts_sharing_a_step_pay_their_own_attention_only():
+    cost = PrefillCost(curved_profile())
+    # Four prompts of 250 tokens: the linear part of 1000 tokens, attention of four 250s.
+    four = cost.step_s([(250, 0)] * 4)
+    assert four == approx(A + B * 1000 + Q * 4 * 250**2)
+    assert four < cost.step_s([(1000, 0)])
+
+
+def test_a_later_chunk_reads_the_earlier_ones():
+    cost = PrefillCost(curved_profile())
+    # 200 new tokens after 800 of the same prompt: queries x (800 cached + 200 causal).
+    assert cost.step_s([(200, 800)]) == approx(A + B * 200 + Q * (200**2 + 2 * 200 * 800))
+    # The chunks of one prompt add up to more than the prompt in one step (a step each).
+    whole = cost.step_s([(1000, 0)])
+    assert cost.step_s([(800, 0)]) + cost.step_s([(200, 800)]) == approx(whole + A)
+
+
+def test_a_mixed_step_adds_the_decode_step_without_its_fixed_part():
+    profile = curved_profile()
+    cost = PrefillCost(profile)
+    decode = profile.decode_step_s(3, 600)
+    expected = cost.step_s([(100, 0), (50, 0)]) + decode - profile.decode_fixed_s
+    assert cost.mixed_step_s([(100, 0), (50, 0)], 3, 600) == approx(expected)
+    assert cost.mixed_step_s([], 3, 600) == approx(decode)
+    assert cost.mixed_step_s([(100, 0)], 0, 0) == approx(cost.step_s([(100, 0)]))
+
+
+def test_the_simulated_prefill_worker_charges_a_shared_step_so():
+    profile = curved_profile(max_batch_tokens=1000)
+    reqs = [req(0.0, 400, 1), req(0.0, 600, 1)]
+    r = simulate(reqs, profile, FixedPolicy(prefill=1, decode=1), SimConfig())
+    # Both prompts fit one step: both first tokens at its end.
+    shared = A + B * 1000 + Q * (400**2 + 600**2)
+    assert r.ttft_s == [approx(shared), approx(shared)]
+    assert shared < profile.prefill_s(1000)  # the old charge: one 1000-token prompt
