@@ -31,19 +31,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import math
-import os
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # allow `python benchmarks/sim_validation.py` from anywhere
@@ -52,6 +48,17 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/sim_validation.py` fro
 from bench.capacity_profile import CapacityProfile  # noqa: E402
 from bench.metrics import RequestRecord  # noqa: E402
 from benchmarks.common import log, machine_info, write_json  # noqa: E402
+from benchmarks.sim_validation_live import (  # noqa: E402
+    CorunShapes,
+    CpuAccount,
+    ForeignTimeline,
+    TraceRow,
+    calibrate_corun,
+    replay,
+    wait_quiet,
+    warm_up,
+    write_trace_csv,
+)
 from benchmarks.sim_validation_report import (  # noqa: E402
     METRICS,
     PERCENTILES,
@@ -64,8 +71,11 @@ RESULTS = REPO / "benchmarks" / "results"
 DEFAULT_PROFILE = RESULTS / "capacity-cpu.json"
 DEFAULT_OUT = RESULTS / "sim_validation.json"
 DEFAULT_PLOT = RESULTS / "sim_validation.png"
-# Prompt ids are drawn above the special tokens (the ids a tokenizer reserves).
-VOCAB_LOW = 16
+# Workload seeds are WORKLOAD_SEED_STEP apart; an attempt's prompt seed adds
+# PROMPT_SEED_STEP per attempt, so no two replays of a run send the same prompt ids.
+WORKLOAD_SEED_STEP = 1000
+PROMPT_SEED_STEP = 100
+MAX_ATTEMPTS = WORKLOAD_SEED_STEP // PROMPT_SEED_STEP - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +115,6 @@ QUICK_WORKLOADS = (
 
 
 # -- workloads --------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class TraceRow:
-    arrival_s: float
-    prompt_len: int
-    output_len: int
-
-
 def make_trace(spec: WorkloadSpec, seed: int) -> list[TraceRow]:
     """Poisson arrivals over `duration_s` (at least two requests), lengths uniform."""
     rng = np.random.default_rng(seed)
@@ -127,18 +130,6 @@ def make_trace(spec: WorkloadSpec, seed: int) -> list[TraceRow]:
     prompts = rng.integers(spec.prompt[0], spec.prompt[1] + 1, size=n)
     outputs = rng.integers(spec.output[0], spec.output[1] + 1, size=n)
     return [TraceRow(a, int(p), int(o)) for a, p, o in zip(arrivals, prompts, outputs, strict=True)]
-
-
-def write_trace_csv(path: Path, rows: list[TraceRow]) -> Path:
-    """The Azure trace format (plain-seconds timestamps), which both `tandem bench serve
-    --dataset trace:` and `tandem simulate --trace` read."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
-        for r in rows:
-            w.writerow([repr(r.arrival_s), r.prompt_len, r.output_len])
-    return path
 
 
 # -- the server -------------------------------------------------------------------------------
@@ -176,126 +167,32 @@ def vocab_size(model: Path) -> int:
     return int(json.loads((model / "config.json").read_text())["vocab_size"])
 
 
-async def replay(
-    url: str, trace: Path, vocab: int, seed: int, concurrency: int | None = None
-) -> list[RequestRecord]:
-    """Send the trace with the `tandem bench serve` client; one record per row, in order."""
-    from bench.client import run_benchmark
-    from bench.config import COMPLETIONS, BenchConfig
-
-    config = BenchConfig(
-        base_url=url,
-        endpoint=COMPLETIONS,
-        dataset=f"trace:{trace}",
-        vocab_low=VOCAB_LOW,
-        vocab_high=vocab,
-        seed=seed,
-        ignore_eos=True,
-        temperature=0.0,
-        max_concurrency=concurrency,
-        request_timeout_s=600.0,
-        progress=False,
-    )
-    result = await run_benchmark(config)
-    return sorted(result.records, key=lambda r: r.index)
-
-
-def warm_up(url: str, vocab: int, threshold: int, window: int, workdir: Path) -> None:
-    """Both prefill paths, a long prompt and a small concurrent burst, so the first timed
-    requests do not pay first-call costs (allocations, kernel choices, socket set-up)."""
-    long = min(window - 40, 1800)
-    rows = [TraceRow(0.0, long, 8), TraceRow(0.0, max(8, threshold // 2), 16)]
-    rows += [TraceRow(0.0, max(threshold, 8) + 32, 32), TraceRow(0.0, 24, 32)]
-    seq = write_trace_csv(workdir / "warmup-seq.csv", rows)
-    asyncio.run(replay(url, seq, vocab, seed=99991, concurrency=1))
-    burst = [TraceRow(0.05 * i, 24 + 60 * i, 24) for i in range(6)]
-    asyncio.run(replay(url, write_trace_csv(workdir / "warmup-burst.csv", burst), vocab, 99992))
-
-
-class CpuAccount:
-    """CPU seconds spent during one workload: by the server's process session (router, Ray,
-    workers), by this client, and by everything else on the machine (other jobs sharing the
-    cores: what the simulator cannot know about). System-wide busy time comes from the
-    kernel's counters, so processes that came and went in between are counted too."""
-
-    def __init__(self, server_sid: int) -> None:
-        self.sid = server_sid
-        self.me = psutil.Process()
-        self.t0 = time.perf_counter()
-        self.busy0 = _busy_s()
-        self.server0 = self._server_s()
-        self.me0 = _cpu_s(self.me)
-
-    def _server_s(self) -> dict[int, float]:
-        out = {}
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getsid(p.pid) == self.sid:
-                    out[p.pid] = _cpu_s(p)
-            except (psutil.Error, ProcessLookupError, PermissionError):
-                continue
-        return out
-
-    def stop(self) -> dict[str, float]:
-        wall = time.perf_counter() - self.t0
-        busy = _busy_s() - self.busy0
-        now = self._server_s()
-        server = sum(v - self.server0.get(pid, 0.0) for pid, v in now.items())
-        client = _cpu_s(self.me) - self.me0
-        foreign = max(0.0, busy - server - client)
-        cores = os.cpu_count() or 1
-        return {
-            "wall_s": wall,
-            "busy_s": busy,
-            "server_s": server,
-            "client_s": client,
-            "foreign_s": foreign,
-            "foreign_cores": foreign / wall if wall > 0 else 0.0,
-            "idle_cores": max(0.0, cores - busy / wall) if wall > 0 else 0.0,
-        }
-
-
-def _busy_s() -> float:
-    t = psutil.cpu_times()
-    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
-
-def _cpu_s(p: psutil.Process) -> float:
-    t = p.cpu_times()
-    return t.user + t.system
-
-
-def wait_quiet(server_sid: int, max_cores: float, max_wait_s: float, window_s: float = 3.0):
-    """Wait (up to max_wait_s) until other jobs use at most `max_cores` over `window_s`;
-    returns (seconds waited, their cores in the last window)."""
-    t0 = time.perf_counter()
-    while True:
-        acc = CpuAccount(server_sid)
-        time.sleep(window_s)
-        foreign = acc.stop()["foreign_cores"]
-        waited = time.perf_counter() - t0
-        if foreign <= max_cores or waited >= max_wait_s:
-            return waited, foreign
-
-
 # -- the live side ----------------------------------------------------------------------------
-def measure_workload(spec: WorkloadSpec, seed: int, ctx: dict[str, Any]) -> dict[str, Any]:
+def measure_workload(
+    spec: WorkloadSpec, seed: int, ctx: dict[str, Any], attempt: int = 0
+) -> dict[str, Any]:
     """One live replay of the workload: every request as sent and timed, and the CPU the
-    server, this client and other jobs used meanwhile."""
+    server, this client and other jobs used meanwhile. The trace (arrivals, lengths) comes
+    from `seed`; the prompts' token ids from a seed of their own per attempt, so a replay
+    never finds an earlier attempt's prompts in the prefix cache."""
     rows = make_trace(spec, seed)
     trace = write_trace_csv(ctx["workdir"] / f"{spec.name}-{seed}.csv", rows)
+    prompt_seed = seed + PROMPT_SEED_STEP * (attempt + 1)
     limit = ctx["max_foreign_cores"]
     waited, before = wait_quiet(ctx["server_sid"], limit, ctx["max_wait_s"])
     log(f"{spec.name}: {len(rows)} requests over {rows[-1].arrival_s:.0f} s (waited {waited:.0f}"
         f" s for other jobs to use <= {limit} cores: {before:.2f})")  # fmt: skip
     cpu = CpuAccount(ctx["server_sid"])
-    records = asyncio.run(replay(ctx["url"], trace, ctx["vocab"], seed))
+    with ForeignTimeline(ctx["server_sid"]) as timeline:
+        records = asyncio.run(replay(ctx["url"], trace, ctx["vocab"], prompt_seed))
     cpu_used = cpu.stop()
+    cpu_used["foreign_cores_timeline"] = timeline.samples
     lag = [r.start_s - r.arrival_s for r in records]
     ok = [r for r in records if r.ok]
     return {
         "workload": asdict(spec),
         "seed": seed,
+        "prompt_seed": prompt_seed,
         "cpu": cpu_used,
         "contaminated": cpu_used["foreign_cores"] > limit,
         "failed": [r.error for r in records if not r.ok],
@@ -309,8 +206,8 @@ def measure_quietly(spec: WorkloadSpec, seed: int, ctx: dict[str, Any]) -> dict[
     """Replay until an attempt ran with other jobs under `max_foreign_cores` (at most
     `attempts` times); the cleanest attempt, with every attempt's CPU figures."""
     tries: list[dict[str, Any]] = []
-    for _ in range(ctx["attempts"]):
-        tries.append(measure_workload(spec, seed, ctx))
+    for attempt in range(ctx["attempts"]):
+        tries.append(measure_workload(spec, seed, ctx, attempt))
         if not tries[-1]["contaminated"]:
             break
         log(f"  other jobs used {tries[-1]['cpu']['foreign_cores']:.2f} cores meanwhile")
@@ -335,10 +232,11 @@ def _request_row(r: RequestRecord, threshold: int) -> dict[str, Any]:
 
 # -- the simulated side -----------------------------------------------------------------------
 def simulate_requests(
-    rows: list[dict[str, Any]], profile: CapacityProfile, threshold: int
+    rows: list[dict[str, Any]], profile: CapacityProfile, threshold: int, corun: dict | None
 ) -> dict[int, tuple[float, float]]:
     """Simulate the live run's successful requests as the server saw them (arriving when the
-    client sent them) on static:1:1; index -> (TTFT s, TPOT s; NaN for one token)."""
+    client sent them) on static:1:1; with `corun` (calibrate_corun's slowdowns) both workers
+    share one machine, as on the live box. index -> (TTFT s, TPOT s; NaN for one token)."""
     from cluster.planner import PlannerConfig, make_policy
     from cluster.simulator import SimConfig, SimRequest, simulate
 
@@ -349,7 +247,15 @@ def simulate_requests(
     requests = [SimRequest(r["sent_s"] - t0, r["prompt"], r["output"]) for r in ok]
     policy = make_policy("static:1:1", profile, PlannerConfig(disagg_threshold=threshold))
     # static pools are READY at t=0, as the warm live server was.
-    result = simulate(requests, profile, policy, SimConfig(disagg_threshold=threshold))
+    shared: dict[str, Any] = {}
+    if corun is not None:  # the live box: both workers on one machine
+        shared = {
+            "host_workers": 2,
+            "prefill_corun_slowdown": corun["prefill_slowdown"],
+            "decode_corun_slowdown": corun["decode_slowdown"],
+        }
+    config = SimConfig(disagg_threshold=threshold, **shared)
+    result = simulate(requests, profile, policy, config)
     if result.aborted or result.finished != len(requests):
         raise RuntimeError(f"the simulation did not finish: {result.aborted}")
     return {
@@ -358,11 +264,18 @@ def simulate_requests(
     }
 
 
-def judge(entry: dict[str, Any], profile: CapacityProfile, threshold: int, tol: float) -> None:
+def judge(entry: dict[str, Any], profile: CapacityProfile, run: dict[str, Any], tol: float) -> None:
     """Simulate one measured workload and compare: fills in the entry's simulated latencies,
-    load figures, cells and verdict."""
-    rows = entry["requests"]
-    sim = simulate_requests(rows, profile, threshold)
+    load figures, cells and verdict; with a co-run calibration, also the cells the profile
+    alone gives (`cells_without_corun`)."""
+    rows, threshold, corun = entry["requests"], run["disagg_threshold"], run.get("corun")
+    if corun is not None:
+        plain = simulate_requests(rows, profile, threshold, None)
+        ok = [r for r in rows if r["error"] is None]
+        live = {m: [r[f"live_{m}_s"] for r in ok] for m in METRICS}
+        sims = {m: [plain[r["index"]][METRICS.index(m)] for r in ok] for m in METRICS}
+        entry["cells_without_corun"] = compare(live, sims, tol)
+    sim = simulate_requests(rows, profile, threshold, corun)
     for r in rows:
         ttft, tpot = sim.get(r["index"], (None, None))
         r["sim_ttft_s"] = ttft
@@ -449,8 +362,10 @@ def measure(args: argparse.Namespace, profile: CapacityProfile) -> dict[str, Any
     try:
         window = json.loads((model / "config.json").read_text())["max_position_embeddings"]
         warm_up(server.url, ctx["vocab"], threshold, window, workdir)
+        corun = None if args.no_corun else _calibrate(ctx, profile, window, args.quick)
         for i, spec in enumerate(specs):
-            results.append(measure_quietly(spec, args.seed + 1000 * i, ctx))
+            seed = args.seed + WORKLOAD_SEED_STEP * i
+            results.append(measure_quietly(spec, seed, ctx))
     finally:
         exit_code = server.stop()
     return {
@@ -462,8 +377,32 @@ def measure(args: argparse.Namespace, profile: CapacityProfile) -> dict[str, Any
         "disagg_threshold": threshold,
         "quick": args.quick,
         "max_foreign_cores": args.max_foreign_cores,
+        "corun": corun,
         "workloads": results,
     }
+
+
+def _calibrate(ctx: dict[str, Any], profile: CapacityProfile, window: int, quick: bool) -> dict:
+    """calibrate_corun on a quiet machine: again (up to `attempts` times) while other jobs
+    used more than `max_foreign_cores`; the cleanest attempt."""
+    shapes = CorunShapes.for_server(ctx["threshold"], window, quick)
+    overheads = (profile.request_overhead_s, profile.token_overhead_s)
+    tries = []
+    for _ in range(ctx["attempts"]):
+        waited, _ = wait_quiet(ctx["server_sid"], ctx["max_foreign_cores"], ctx["max_wait_s"])
+        cpu = CpuAccount(ctx["server_sid"])
+        corun = calibrate_corun(ctx["url"], ctx["vocab"], shapes, overheads, ctx["workdir"])
+        tries.append(corun | {"shapes": asdict(shapes), "waited_s": waited, "cpu": cpu.stop()})
+        if tries[-1]["cpu"]["foreign_cores"] <= ctx["max_foreign_cores"]:
+            break
+    corun = min(tries, key=lambda t: t["cpu"]["foreign_cores"])
+    corun["attempts"] = [t["cpu"]["foreign_cores"] for t in tries]
+    log(
+        f"co-run: a prefill beside a busy decode worker is {corun['prefill_slowdown']:+.0%}, "
+        f"a decode step beside a busy prefill worker {corun['decode_slowdown']:+.0%} "
+        f"(other jobs {corun['cpu']['foreign_cores']:.2f} cores)"
+    )
+    return corun
 
 
 def judge_run(run: dict[str, Any], profile: CapacityProfile, path: Path, tol: float) -> None:
@@ -472,7 +411,7 @@ def judge_run(run: dict[str, Any], profile: CapacityProfile, path: Path, tol: fl
     run["policy"] = "static:1:1"
     run["tolerance"] = tol
     for w in run["workloads"]:
-        judge(w, profile, run["disagg_threshold"], tol)
+        judge(w, profile, run, tol)
         log(f"{w['workload']['name']}:")
         for line in describe(w):
             log(line)
@@ -508,6 +447,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a replay during which other jobs used more CPU cores than this is run again",
     )  # fmt: skip
     p.add_argument("--attempts", type=int, default=3, help="replays per workload at most")
+    p.add_argument(
+        "--no-corun", action="store_true",
+        help="skip measuring how the two workers slow each other (the simulator then runs "
+        "each worker as if alone on its machine)",
+    )  # fmt: skip
     p.add_argument("--max-wait-s", type=float, default=600.0, help="wait for a quiet machine")
     p.add_argument(
         "--resimulate", type=Path, default=None,
@@ -520,8 +464,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--rate-scale and --tolerance must be > 0, --max-foreign-cores >= 0")
     if args.duration_s is not None and not args.duration_s > 0:
         p.error("--duration-s must be > 0")
-    if args.attempts < 1 or args.max_wait_s < 0:
-        p.error("--attempts must be >= 1 and --max-wait-s >= 0")
+    if not 1 <= args.attempts <= MAX_ATTEMPTS or args.max_wait_s < 0:
+        p.error(f"--attempts must be in 1..{MAX_ATTEMPTS} and --max-wait-s >= 0")
     return args
 
 

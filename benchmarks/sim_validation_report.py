@@ -16,24 +16,36 @@ PERCENTILES = (50, 90)
 
 
 def table(results: list[dict[str, Any]], tolerance: float) -> str:
-    """The README's markdown table: one row per workload and metric."""
+    """The README's markdown table: one row per workload and metric; where the run measured
+    co-run interference, the last column is the error the profile alone gives (p50 / p90)."""
+    plain = any("cells_without_corun" in w for w in results)
     head = "| workload | req/s | requests | metric | live p50 | sim p50 | err p50 |"
     head += f" live p90 | sim p90 | err p90 | within {tolerance:.0%} |"
-    lines = [head, "|" + "---|" * 11]
+    head += " err without co-run (p50 / p90) |" if plain else ""
+    lines = [head, "|" + "---|" * (12 if plain else 11)]
     for w in results:
         for metric in METRICS:
-            c = {x["percentile"]: x for x in w["cells"] if x["metric"] == metric}
+            c = _by_percentile(w["cells"], metric)
             cells = []
             for p in PERCENTILES:
                 cells += [ms(c[p]["live_ms"]), ms(c[p]["sim_ms"]), pct(c[p]["rel_err"])]
             ok = all(c[p]["pass"] for p in PERCENTILES)
-            lines.append(
+            row = (
                 f"| {w['workload']['name']} | {w['load']['rate_rps']:.2f} | "
                 f"{len(w['requests'])} | {metric.upper()} (ms) | "
                 + " | ".join(cells)
                 + f" | {'PASS' if ok else 'FAIL'} |"
             )
+            if plain:
+                c0 = _by_percentile(w.get("cells_without_corun", []), metric)
+                errs = [pct(c0[p]["rel_err"]) if p in c0 else "-" for p in PERCENTILES]
+                row += f" {' / '.join(errs)} |"
+            lines.append(row)
     return "\n".join(lines)
+
+
+def _by_percentile(cells: list[dict[str, Any]], metric: str) -> dict[int, dict[str, Any]]:
+    return {x["percentile"]: x for x in cells if x["metric"] == metric}
 
 
 def ms(x: float | None) -> str:

@@ -49,7 +49,7 @@ class PlannerConfig:
         "large pool left from a burst comes down in minutes, not one worker per cooldown",
     )
     burst_half_life_s: float = setting(
-        300.0,
+        900.0,
         "half-life of the burst hold: the prefill pool keeps the workers the recent peak "
         "1-s prompt burst needs, that peak decaying by half every this many seconds "
         "(bursts that recur sooner than a worker starts are met by capacity held; 0: off)",
@@ -60,7 +60,7 @@ class PlannerConfig:
         "(holds capacity for bursts that recur sooner than a worker starts)",
     )
     up_noise_sigmas: float = setting(
-        1.0,
+        0.5,
         "standard deviations of the rate's window-to-window noise added to the forecast a "
         "scale-up provisions for (a worker asked for now serves only after its start-up)",
     )

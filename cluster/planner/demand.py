@@ -28,7 +28,10 @@ from .config import PlannerConfig
 # A last window with fewer prompts than this is too thin to size against on its own.
 MIN_WINDOW_PROMPTS = 20
 NOISE_WEIGHT = 0.05  # EWMA weight of a new squared forecast error
-NOISE_SIGMAS = 4.0  # a pool shrinks only if it would carry the forecast + this many noise SDs
+# A pool shrinks only if it would carry the forecast + this many noise SDs. Not fewer: a
+# window more than BURST_SIGMAS over the forecast is sized at its own rate, so with 3 a
+# Poisson spike's worker is taken back and re-added on a steady load (tests/planner).
+NOISE_SIGMAS = 4.0
 BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
 MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic

@@ -17,6 +17,10 @@ Pools: `add_worker` asks for one (ready `startup_s` later; at once for the initi
 ones); a draining worker leaves when it holds nothing. GPU-hours integrate every worker from
 its ask to its leave (or the end of the run). Every change of a pool's counts is appended to
 `timeline` as (time, pool, ready, starting, draining).
+
+Machines: with `host_workers` > 1, workers are placed on machines of that many in the order
+they are asked for, and the workers of one machine are each other's `peers` (their steps slow
+down by `corun_slowdown[pool]` while a peer computes: workers.py).
 """
 
 from __future__ import annotations
@@ -53,12 +57,16 @@ class SimCluster:
         slo_ttft_s: float,
         slo_tpot_s: float,
         step_by_step: bool = False,
+        host_workers: int = 1,
+        corun_slowdown: dict[str, float] | None = None,
     ) -> None:
         self.profile, self.queue, self.recorder = profile, queue, recorder
         self.prefill_cost = PrefillCost(profile)
         self.disagg_threshold, self.startup_s = disagg_threshold, startup_s
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.step_by_step = step_by_step
+        self.host_workers = host_workers
+        self.corun_slowdown = dict(corun_slowdown or {})
         self.workers: list[Worker] = []  # every worker ever asked for, gone ones included
         self.ready: dict[str, list[Worker]] = {pool: [] for pool in POOLS}
         self.counts = {pool: {STARTING: 0, READY: 0, DRAINING: 0} for pool in POOLS}
@@ -73,6 +81,7 @@ class SimCluster:
     def add_worker(self, pool: str, now: float, ready_now: bool = False) -> Worker:
         kind = PrefillWorker if pool == PREFILL_POOL else DecodeWorker
         worker = kind(len(self.workers), pool, self, now)
+        self._place(worker)
         self.workers.append(worker)
         self._count(pool, None, STARTING, now)
         if ready_now or self.startup_s <= 0:
@@ -80,6 +89,17 @@ class SimCluster:
         else:
             self.queue.push(now + self.startup_s, WORKER_READY, worker)
         return worker
+
+    def _place(self, worker: Worker) -> None:
+        """Put a new worker on the current machine (or a new one when it is full)."""
+        if self.host_workers <= 1:
+            return
+        first = len(self.workers) - len(self.workers) % self.host_workers
+        worker.peers = list(self.workers[first:])
+        for peer in worker.peers:
+            peer.peers.append(worker)
+        pool = DECODE_POOL if worker.pool == COLOCATED_POOL else worker.pool
+        worker.corun_slowdown = self.corun_slowdown.get(pool, 0.0)
 
     def on_ready(self, worker: Worker, now: float) -> None:
         if worker.state != STARTING:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.capacity_profile import CapacityProfile
-from cluster.planner.types import Decision, Policy
+from cluster.planner.types import DECODE_POOL, PREFILL_POOL, Decision, Policy
 from cluster.simulator.cluster_model import SimCluster, tpot_s
 from cluster.simulator.events import (
     ARRIVAL,
@@ -45,6 +45,12 @@ class SimConfig:
     startup_s: float | None = None
     # Debug reference: one event per decode step (the macro-steps must give the same run).
     step_by_step: bool = False
+    # Workers per machine (placed in the order they are asked for); 1: each alone (GPUs).
+    host_workers: int = 1
+    # A prefill / decode worker's steps take (1 + this) times as long while another worker of
+    # its machine computes (shared cores and memory bandwidth: the 2-core CPU box).
+    prefill_corun_slowdown: float = 0.0
+    decode_corun_slowdown: float = 0.0
     max_overrun_s: float = 6 * 3600.0
     abort_after_misses: int | None = None
     progress: bool = False
@@ -58,6 +64,12 @@ class SimConfig:
             raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
         if self.startup_s is not None and not (self.startup_s >= 0):
             raise ValueError(f"startup_s must be >= 0, got {self.startup_s}")
+        if self.host_workers < 1:
+            raise ValueError(f"host_workers must be >= 1, got {self.host_workers}")
+        for name in ("prefill_corun_slowdown", "decode_corun_slowdown"):
+            v = getattr(self, name)
+            if not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name} must be >= 0, got {v}")
         if self.abort_after_misses is not None and self.abort_after_misses < 0:
             raise ValueError(f"abort_after_misses must be >= 0, got {self.abort_after_misses}")
 
@@ -133,6 +145,11 @@ class _Run:
             slo_ttft_s=cfg.slo_ttft_s,
             slo_tpot_s=cfg.slo_tpot_s,
             step_by_step=cfg.step_by_step,
+            host_workers=cfg.host_workers,
+            corun_slowdown={
+                PREFILL_POOL: cfg.prefill_corun_slowdown,
+                DECODE_POOL: cfg.decode_corun_slowdown,
+            },
         )
         self.flights = [Flight(i, r) for i, r in enumerate(requests)]
         self.decisions: list[dict] = []

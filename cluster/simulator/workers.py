@@ -17,6 +17,13 @@ admitted, each step is a mixed step: every decoding sequence emits a token and t
 share the rest of the token budget. Otherwise the batch runs decode steps in one event up to
 its next finish (decode_batch.py); a sequence that can be admitted mid-way cuts that run at
 the step then in progress.
+
+Workers sharing a machine (`peers`: the CPU box runs a prefill and a decode worker on its two
+cores, which share the memory bandwidth and the router's CPU) slow each other down: while a
+peer computes, a worker's steps take (1 + `corun_slowdown`) times as long. A prefill step in
+progress is re-timed when a peer starts or stops (its remaining work at the new rate); a
+decode run is cut at the step in progress, which keeps its rate, and the next step takes the
+new one. Without peers (each worker on its own GPU, the default) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -49,16 +56,42 @@ class Host(Protocol):
 
 
 class Worker:
-    """What every simulated worker has: its pool, lifecycle times and prefix cache."""
+    """What every simulated worker has: its pool, lifecycle times and prefix cache, its step
+    version (a step event whose version is stale is skipped), and the peers on its machine."""
 
-    __slots__ = ("wid", "pool", "host", "state", "asked_s", "ready_s", "left_s", "cache", "busy")
+    __slots__ = (
+        "wid", "pool", "host", "state", "asked_s", "ready_s", "left_s", "cache", "busy",
+        "version", "peers", "corun_slowdown", "factor",
+    )  # fmt: skip
 
     def __init__(self, wid: int, pool: str, host: Host, asked_s: float) -> None:
         self.wid, self.pool, self.host = wid, pool, host
         self.state = STARTING
         self.asked_s, self.ready_s, self.left_s = asked_s, float("nan"), float("nan")
         self.cache = PrefixCache(host.profile.kv_capacity_tokens // BLOCK_TOKENS)
-        self.busy = False
+        self.busy = False  # computing a step (or about to, at this instant)
+        self.version = 0
+        self.peers: list[Worker] = []  # the other workers of its machine
+        self.corun_slowdown = 0.0  # its steps' extra time while a peer computes
+        self.factor = 1.0  # the slowdown of the step in progress
+
+    def corun_factor(self) -> float:
+        if self.corun_slowdown and any(p.busy for p in self.peers):
+            return 1.0 + self.corun_slowdown
+        return 1.0
+
+    def set_busy(self, busy: bool, now: float) -> None:
+        """Start or stop computing; the peers that slow down with it re-time their steps."""
+        if busy == self.busy:
+            return
+        self.busy = busy
+        for peer in self.peers:
+            if peer.corun_slowdown and peer.busy:
+                peer.peer_changed(now)
+
+    def peer_changed(self, now: float) -> None:
+        """A peer started or stopped computing while this worker is busy."""
+        raise NotImplementedError
 
     def is_empty(self) -> bool:
         raise NotImplementedError
@@ -69,13 +102,14 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    __slots__ = ("waiting", "queued_tokens", "_chunks")
+    __slots__ = ("waiting", "queued_tokens", "_chunks", "_work_s", "_since")
 
     def __init__(self, wid: int, pool: str, host: Host, asked_s: float) -> None:
         super().__init__(wid, pool, host, asked_s)
         self.waiting: deque[Flight] = deque()
         self.queued_tokens = 0  # prompt tokens still to compute, the step in flight's included
         self._chunks: list[tuple[Flight, int]] = []
+        self._work_s, self._since = 0.0, 0.0  # the step's work left (unslowed s), since when
 
     def is_empty(self) -> bool:
         return not self.waiting
@@ -88,8 +122,9 @@ class PrefillWorker(Worker):
         self.queued_tokens += flight.remaining
         if not self.busy:
             # An empty step ending now: every prompt arriving at this instant joins the first.
-            self.busy = True
-            self.host.queue.push(now, STEP_END, self)
+            self._chunks = []
+            self.set_busy(True, now)
+            self._end_step_after(0.0, now)
 
     def _start_step(self, now: float) -> None:
         profile = self.host.profile
@@ -101,29 +136,41 @@ class PrefillWorker(Worker):
             chunks.append((flight, take))
             budget -= take
         self._chunks = chunks
-        self.busy = True
-        duration = self.host.prefill_cost.step_s(_chunk_shapes(chunks))
-        self.host.queue.push(now + duration, STEP_END, self)
+        self._end_step_after(self.host.prefill_cost.step_s(_chunk_shapes(chunks)), now)
+
+    def _end_step_after(self, work_s: float, now: float) -> None:
+        """Schedule the step's end: `work_s` seconds of work at the current co-run rate."""
+        self._work_s, self._since = work_s, now
+        self.factor = self.corun_factor()
+        self.version += 1
+        self.host.queue.push(now + work_s * self.factor, STEP_END, self, self.version)
+
+    def peer_changed(self, now: float) -> None:
+        if self.corun_factor() != self.factor:
+            done = (now - self._since) / self.factor
+            self._end_step_after(max(self._work_s - done, 0.0), now)
 
     def on_step_end(self, now: float, version: int) -> None:
+        if version != self.version:
+            return  # re-timed: a later event ends this step
         for flight, take in self._chunks:
             flight.remaining -= take
             self.queued_tokens -= take
         self._chunks = []
-        self.busy = False
         # Chunks go to the queue's head first, so the finished prompts are a prefix of it.
         while self.waiting and self.waiting[0].remaining == 0:
             self.host.prefill_done(self.waiting.popleft(), now)
         if self.waiting:
             self._start_step(now)
         else:
+            self.set_busy(False, now)
             self.host.worker_idle(self, now)
 
 
 class DecodeWorker(Worker):
     __slots__ = (
         "batch", "prefilling", "waiting", "inbound", "assigned", "committed_kv", "reserved_kv",
-        "version", "_step_start", "_step_k", "_chunks",
+        "_step_start", "_step_k", "_chunks",
     )  # fmt: skip
 
     def __init__(self, wid: int, pool: str, host: Host, asked_s: float) -> None:
@@ -135,7 +182,6 @@ class DecodeWorker(Worker):
         self.assigned = 0  # routed here and not finished
         self.committed_kv = 0  # KV of every assigned sequence (what the router weighs)
         self.reserved_kv = 0  # KV of the admitted ones
-        self.version = 0
         self._step_start, self._step_k = 0.0, 0
         self._chunks: list[tuple[Flight, int]] | None = None  # a mixed step's prefill part
 
@@ -181,9 +227,10 @@ class DecodeWorker(Worker):
         self.waiting.append(flight)
         if not self.busy:
             # An empty step ending now: every sequence arriving at this instant joins the first.
-            self.busy, self._chunks, self._step_k, self._step_start = True, None, 0, now
+            self._chunks, self._step_k, self._step_start, self.factor = None, 0, now, 1.0
             self.version += 1
             self.host.queue.push(now, STEP_END, self, self.version)
+            self.set_busy(True, now)
         elif self._chunks is None and self._step_k and self._can_admit_next(flight):
             self._cut(now)
 
@@ -212,17 +259,22 @@ class DecodeWorker(Worker):
     def _cut(self, now: float) -> None:
         """End the decode run at the step in progress, so a new sequence joins after it."""
         batch, profile = self.batch, self.host.profile
-        k = step_in_progress(
-            profile, batch.size, batch.context, now - self._step_start, self._step_k
-        )
+        elapsed = (now - self._step_start) / self.factor
+        k = step_in_progress(profile, batch.size, batch.context, elapsed, self._step_k)
         if k < self._step_k:
             self._step_k = k
             self.version += 1
-            end = self._step_start + decode_span_s(profile, batch.size, batch.context, k)
-            self.host.queue.push(end, STEP_END, self, self.version)
+            span = decode_span_s(profile, batch.size, batch.context, k) * self.factor
+            self.host.queue.push(self._step_start + span, STEP_END, self, self.version)
+
+    def peer_changed(self, now: float) -> None:
+        # The step in progress keeps its rate; the steps after it take the new one.
+        if self._chunks is None and self._step_k > 1:
+            self._cut(now)
 
     # -- steps -------------------------------------------------------------------------------
-    def _start_step(self, now: float) -> None:
+    def _start_step(self, now: float) -> bool:
+        """Start the next step (or run of decode steps); False when there is nothing to do."""
         profile, batch = self.host.profile, self.batch
         if self.prefilling:
             budget = max(1, profile.max_batch_tokens - batch.size)  # decodes use budget too
@@ -241,15 +293,15 @@ class DecodeWorker(Worker):
             self._step_k = 1 if self.host.step_by_step else batch.steps_to_next_finish()
             duration = decode_span_s(profile, batch.size, batch.context, self._step_k)
         else:
-            return
-        self.busy, self._step_start = True, now
+            return False
+        self._step_start, self.factor = now, self.corun_factor()
         self.version += 1
-        self.host.queue.push(now + duration, STEP_END, self, self.version)
+        self.host.queue.push(now + duration * self.factor, STEP_END, self, self.version)
+        return True
 
     def on_step_end(self, now: float, version: int) -> None:
         if version != self.version:
             return  # a run that was cut short
-        self.busy = False
         host, batch = self.host, self.batch
         batch.advance(self._step_k)
         for flight in batch.pop_finished():
@@ -258,8 +310,8 @@ class DecodeWorker(Worker):
         if self._chunks is not None:
             self._end_prefill_chunks(now)
         self._admit()
-        self._start_step(now)
-        if not self.busy:
+        if not self._start_step(now):
+            self.set_busy(False, now)
             host.worker_idle(self, now)
 
     def _end_prefill_chunks(self, now: float) -> None:

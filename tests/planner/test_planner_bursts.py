@@ -122,3 +122,18 @@ def test_the_exponential_prior_has_its_mean_and_a_long_tail():
     assert math.isclose(dist.mean(), 200, rel_tol=0.05)
     assert dist.quantile(0.99) > 3 * 200 > 200 > dist.quantile(0.1)
     assert dist.second_moment() > 1.5 * 200**2  # 2 m^2 for an exponential
+
+
+def test_the_default_hold_outlasts_the_quiet_minutes_between_bursts():
+    # Bursts on the Azure code trace recur after 5-10 quiet minutes: the default half-life
+    # still holds most of a burst's workers 10 minutes on (a 300 s one would keep 2 of 5).
+    planner = Planner(PROFILE, config(down_cooldown_s=0))
+    follow(planner, [window(10 * i, 2) for i in range(6)])
+    d = planner.decide(70, with_peak(window(60, 2), 140_000), pools(1, 1))
+    have = [d.desired[P], d.desired[D]]
+    assert have[0] == 5
+    for i in range(60):  # ten minutes of quiet
+        d = planner.decide(80 + 10 * i, window(70 + 10 * i, 2), pools(*have))
+        have = [d.desired[P], d.desired[D]]
+    peak = 140_000 * 0.5 ** (600 / PlannerConfig().burst_half_life_s)
+    assert have[0] == burst_prefill_workers(PROFILE, peak, Targets(1.0, 0.05)) >= 3

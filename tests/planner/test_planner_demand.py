@@ -8,7 +8,7 @@ import pytest
 from planner_fakes import window
 
 from cluster.planner.config import PlannerConfig
-from cluster.planner.demand import DemandTracker, HoltForecast, LengthDist
+from cluster.planner.demand import NOISE_SIGMAS, DemandTracker, HoltForecast, LengthDist
 from router.signals import LengthHistogram
 
 
@@ -76,13 +76,13 @@ def test_scale_up_adds_noise_and_scale_down_needs_margin():
         t.observe(window(10 * i, 40.0))
     # A constant series: no forecast error, so the noise is a window's Poisson count's.
     assert t.noise() == pytest.approx(math.sqrt(40 / 10))
-    assert t.up_rate() == pytest.approx(40 + 2.0)
-    assert t.down_rate() == pytest.approx(40 + max(0.15 * 40, 4 * 2.0))
+    assert t.up_rate() == pytest.approx(40 + t.config.up_noise_sigmas * 2.0)
+    assert t.down_rate() == pytest.approx(40 + max(0.15 * 40, NOISE_SIGMAS * 2.0))
     noisy = DemandTracker(PlannerConfig(interval_s=10), startup_s=60)
     for i in range(50):
         noisy.observe(window(10 * i, 40.0 + (8 if i % 2 else -8)))
     assert noisy.noise() > 8  # the Holt one-step error, well above Poisson's 2
-    assert noisy.down_rate() > 40 + 4 * 8
+    assert noisy.down_rate() > 40 + NOISE_SIGMAS * 8
 
 
 def test_tracker_keeps_history_s_of_lengths_then_older_then_the_prior():

@@ -6,10 +6,10 @@ the profile's curve. Hand-computed on a curve that is exactly a + b*n + q*n^2.""
 from __future__ import annotations
 
 from pytest import approx
+from sim_fakes import FixedPolicy, make_profile, req
 
 from cluster.simulator import SimConfig, simulate
 from cluster.simulator.prefill_cost import PrefillCost, attention_coefficient
-from sim_fakes import FixedPolicy, make_profile, req
 
 A, B, Q = 0.005, 1e-4, 1e-7
 

@@ -1,0 +1,255 @@
+"""The live side of benchmarks/sim_validation.py: the trace a replay sends, the `tandem bench
+serve` client that sends it, the warm-up, and what else ran on the machine meanwhile.
+
+Lifecycle: `write_trace_csv` (the workload as an Azure-format trace) -> `wait_quiet` (until
+other jobs leave the cores alone) -> `replay` under a `CpuAccount` and a `ForeignTimeline`
+(server, client and other jobs' CPU) -> records. `calibrate_corun` measures, on the same
+server, how much the two workers slow each other down when both compute (the 2-core box
+shares cores and memory bandwidth), which the profile does not measure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from bench.metrics import RequestRecord
+
+# Prompt ids are drawn above the special tokens (the ids a tokenizer reserves).
+VOCAB_LOW = 16
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+def write_trace_csv(path: Path, rows: list[TraceRow]) -> Path:
+    """The Azure trace format (plain-seconds timestamps), which both `tandem bench serve
+    --dataset trace:` and `tandem simulate --trace` read."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["TIMESTAMP", "ContextTokens", "GeneratedTokens"])
+        for r in rows:
+            w.writerow([repr(r.arrival_s), r.prompt_len, r.output_len])
+    return path
+
+
+async def replay(
+    url: str, trace: Path, vocab: int, seed: int, concurrency: int | None = None
+) -> list[RequestRecord]:
+    """Send the trace with the `tandem bench serve` client; one record per row, in order."""
+    from bench.client import run_benchmark
+    from bench.config import COMPLETIONS, BenchConfig
+
+    config = BenchConfig(
+        base_url=url,
+        endpoint=COMPLETIONS,
+        dataset=f"trace:{trace}",
+        vocab_low=VOCAB_LOW,
+        vocab_high=vocab,
+        seed=seed,
+        ignore_eos=True,
+        temperature=0.0,
+        max_concurrency=concurrency,
+        request_timeout_s=600.0,
+        progress=False,
+    )
+    result = await run_benchmark(config)
+    return sorted(result.records, key=lambda r: r.index)
+
+
+def warm_up(url: str, vocab: int, threshold: int, window: int, workdir: Path) -> None:
+    """Both prefill paths, a long prompt and a small concurrent burst, so the first timed
+    requests do not pay first-call costs (allocations, kernel choices, socket set-up)."""
+    long = min(window - 40, 1800)
+    rows = [TraceRow(0.0, long, 8), TraceRow(0.0, max(8, threshold // 2), 16)]
+    rows += [TraceRow(0.0, max(threshold, 8) + 32, 32), TraceRow(0.0, 24, 32)]
+    seq = write_trace_csv(workdir / "warmup-seq.csv", rows)
+    asyncio.run(replay(url, seq, vocab, seed=10**9 + 1, concurrency=1))
+    burst = [TraceRow(0.05 * i, 24 + 60 * i, 24) for i in range(6)]
+    asyncio.run(replay(url, write_trace_csv(workdir / "warmup-burst.csv", burst), vocab, 10**9 + 2))
+
+
+class CpuAccount:
+    """CPU seconds spent during one workload: by the server's process session (router, Ray,
+    workers), by this client, and by everything else on the machine (other jobs sharing the
+    cores: what the simulator cannot know about). System-wide busy time comes from the
+    kernel's counters, so processes that came and went in between are counted too."""
+
+    def __init__(self, server_sid: int) -> None:
+        self.sid = server_sid
+        self.me = psutil.Process()
+        self.t0 = time.perf_counter()
+        self.busy0 = _busy_s()
+        self.server0 = self._server_s()
+        self.me0 = _cpu_s(self.me)
+
+    def _server_s(self) -> dict[int, float]:
+        out = {}
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getsid(p.pid) == self.sid:
+                    out[p.pid] = _cpu_s(p)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+        return out
+
+    def stop(self) -> dict[str, float]:
+        wall = time.perf_counter() - self.t0
+        busy = _busy_s() - self.busy0
+        now = self._server_s()
+        server = sum(v - self.server0.get(pid, 0.0) for pid, v in now.items())
+        client = _cpu_s(self.me) - self.me0
+        foreign = max(0.0, busy - server - client)
+        cores = os.cpu_count() or 1
+        return {
+            "wall_s": wall,
+            "busy_s": busy,
+            "server_s": server,
+            "client_s": client,
+            "foreign_s": foreign,
+            "foreign_cores": foreign / wall if wall > 0 else 0.0,
+            "idle_cores": max(0.0, cores - busy / wall) if wall > 0 else 0.0,
+        }
+
+
+def _busy_s() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+class ForeignTimeline:
+    """Other jobs' CPU cores over `interval_s` windows, sampled on a thread while a workload
+    runs: when the machine was shared, and how much."""
+
+    def __init__(self, server_sid: int, interval_s: float = 2.0) -> None:
+        self.sid, self.interval_s = server_sid, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="foreign-cpu", daemon=True)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        acc = CpuAccount(self.sid)
+        while not self._stop.wait(self.interval_s):
+            used = acc.stop()
+            acc = CpuAccount(self.sid)
+            self.samples.append((round(time.perf_counter() - t0, 1), used["foreign_cores"]))
+
+    def __enter__(self) -> ForeignTimeline:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_quiet(server_sid: int, max_cores: float, max_wait_s: float, window_s: float = 3.0):
+    """Wait (up to max_wait_s) until other jobs use at most `max_cores` over `window_s`;
+    returns (seconds waited, their cores in the last window)."""
+    t0 = time.perf_counter()
+    while True:
+        acc = CpuAccount(server_sid)
+        time.sleep(window_s)
+        foreign = acc.stop()["foreign_cores"]
+        waited = time.perf_counter() - t0
+        if foreign <= max_cores or waited >= max_wait_s:
+            return waited, foreign
+
+
+# -- co-run interference ----------------------------------------------------------------------
+@dataclass(slots=True)
+class CorunShapes:
+    """The calibration's requests: `probe_prompt`-token remote prompts (one output token: no
+    hand-off) timed one at a time; `batch` local `local_prompt`-token requests decoding
+    `decode_tokens` tokens each; the other worker kept busy meanwhile by a loop of the other
+    kind (remote prompts of `busy_prompt` tokens, or local decodes)."""
+
+    probe_prompt: int
+    busy_prompt: int
+    local_prompt: int
+    batch: int
+    decode_tokens: int
+    probes: int
+
+    @classmethod
+    def for_server(cls, threshold: int, window: int, quick: bool) -> CorunShapes:
+        if threshold < 2:
+            raise ValueError("calibrating co-run needs local prefills: --disagg-threshold >= 2")
+        probe = min(max(threshold, 512), window - 2)
+        busy = min(1536, window - 2)
+        local = max(1, min(32, threshold - 1))
+        return cls(probe, busy, local, 4, 64 if quick else 256, 3 if quick else 8)
+
+
+def calibrate_corun(
+    url: str, vocab: int, shapes: CorunShapes, overheads: tuple[float, float], workdir: Path
+) -> dict[str, float]:
+    """How much slower each worker's steps are while the other computes: a prefill's TTFT
+    with the decode worker busy against idle, a decode's TPOT with the prefill worker busy
+    against idle, each net of the profile's (request, token) overheads; as slowdowns >= 0."""
+    seeds = iter(range(2 * 10**9, 3 * 10**9))
+    s = shapes
+    probes = [TraceRow(0.0, s.probe_prompt, 1)] * s.probes
+    probe = write_trace_csv(workdir / "corun-probe.csv", probes)
+    busy = write_trace_csv(workdir / "corun-busy.csv", [TraceRow(0.0, s.busy_prompt, 1)])
+    decodes = [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * s.batch
+    decode = write_trace_csv(workdir / "corun-decode.csv", decodes)
+
+    async def probe_ttft() -> float:
+        records = await replay(url, probe, vocab, next(seeds), concurrency=1)
+        return statistics.median(r.ttft_s for r in records if r.ok)
+
+    async def decode_tpot() -> float:
+        records = await replay(url, decode, vocab, next(seeds))
+        return statistics.median(r.tpot_s for r in records if r.ok)
+
+    async def loop(trace: Path, stop: asyncio.Event) -> None:
+        while not stop.is_set():  # one trace at a time: a request or a decoding batch
+            await replay(url, trace, vocab, next(seeds))
+
+    async def beside(measure, other: Path) -> float:
+        stop = asyncio.Event()
+        task = asyncio.create_task(loop(other, stop))
+        await asyncio.sleep(0.3)  # the other worker is computing by now
+        try:
+            return await measure()
+        finally:
+            stop.set()
+            await task
+
+    async def run() -> dict[str, float]:
+        return {
+            "prefill_alone_s": await probe_ttft(),
+            "prefill_beside_decode_s": await beside(probe_ttft, decode),
+            "decode_alone_s": await decode_tpot(),
+            "decode_beside_prefill_s": await beside(decode_tpot, busy),
+        }
+
+    out = asyncio.run(run())
+    request_s, token_s = overheads
+    for kind, overhead, beside_key in (
+        ("prefill", request_s, "prefill_beside_decode_s"),
+        ("decode", token_s, "decode_beside_prefill_s"),
+    ):
+        alone = out[f"{kind}_alone_s"] - overhead
+        out[f"{kind}_slowdown"] = max(0.0, (out[beside_key] - overhead) / alone - 1.0)
+    return out
