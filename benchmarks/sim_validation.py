@@ -103,7 +103,7 @@ class WorkloadSpec:
 # Rates: the busiest worker loaded but stable on the 2-core box (README: the load each saw).
 WORKLOADS = (
     WorkloadSpec("chat", 2.5, 90.0, (100, 600), (50, 200)),
-    WorkloadSpec("summarize", 1.4, 90.0, (800, 1800), (20, 80)),
+    WorkloadSpec("summarize", 1.2, 90.0, (800, 1800), (20, 80)),
     WorkloadSpec("decode-heavy", 1.6, 90.0, (30, 150), (200, 500)),
 )
 # --quick (the smoke test, the tiny model's 1024-token window): a few requests each.

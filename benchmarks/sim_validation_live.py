@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -178,78 +179,85 @@ def wait_quiet(server_sid: int, max_cores: float, max_wait_s: float, window_s: f
 # -- co-run interference ----------------------------------------------------------------------
 @dataclass(slots=True)
 class CorunShapes:
-    """The calibration's requests: `probe_prompt`-token remote prompts (one output token: no
-    hand-off) timed one at a time; `batch` local `local_prompt`-token requests decoding
-    `decode_tokens` tokens each; the other worker kept busy meanwhile by a loop of the other
-    kind (remote prompts of `busy_prompt` tokens, or local decodes)."""
+    """The calibration's requests: remote prompts of each of `probe_prompts` tokens (one output
+    token: no hand-off), `probes` of them one at a time; local `local_prompt`-token requests
+    decoding `decode_tokens` tokens in batches of each of `batches`; the other worker kept busy
+    meanwhile by a loop of the other kind (local decodes in a batch of `busy_batch`, or remote
+    prompts of `busy_prompt` tokens). Alone and beside alternate `rounds` times, so a drift of
+    the machine hits both."""
 
-    probe_prompt: int
+    probe_prompts: tuple[int, ...]
     busy_prompt: int
     local_prompt: int
-    batch: int
+    batches: tuple[int, ...]
+    busy_batch: int
     decode_tokens: int
     probes: int
+    rounds: int
 
     @classmethod
     def for_server(cls, threshold: int, window: int, quick: bool) -> CorunShapes:
         if threshold < 2:
             raise ValueError("calibrating co-run needs local prefills: --disagg-threshold >= 2")
-        probe = min(max(threshold, 512), window - 2)
-        busy = min(1536, window - 2)
+        top = window - 2
+        probes = tuple(sorted({min(max(threshold, n), top) for n in (256, 512, 1024)}))
         local = max(1, min(32, threshold - 1))
-        return cls(probe, busy, local, 4, 64 if quick else 256, 3 if quick else 8)
+        tokens, probes_n, rounds = (32, 2, 1) if quick else (128, 3, 2)
+        return cls(probes, min(1536, top), local, (1, 4), 3, tokens, probes_n, rounds)
 
 
 def calibrate_corun(
     url: str, vocab: int, shapes: CorunShapes, overheads: tuple[float, float], workdir: Path
-) -> dict[str, float]:
-    """How much slower each worker's steps are while the other computes: a prefill's TTFT
-    with the decode worker busy against idle, a decode's TPOT with the prefill worker busy
-    against idle, each net of the profile's (request, token) overheads; as slowdowns >= 0."""
+) -> dict[str, Any]:
+    """How much slower each worker's steps are while the other computes: remote prefills'
+    TTFT beside a decoding batch against alone, and decoding batches' TPOT beside a busy
+    prefill worker against alone, each net of the profile's (request, token) overheads. The
+    slowdown of each kind is the median over its shapes of (beside / alone - 1), >= 0."""
     seeds = iter(range(2 * 10**9, 3 * 10**9))
-    s = shapes
-    probes = [TraceRow(0.0, s.probe_prompt, 1)] * s.probes
-    probe = write_trace_csv(workdir / "corun-probe.csv", probes)
-    busy = write_trace_csv(workdir / "corun-busy.csv", [TraceRow(0.0, s.busy_prompt, 1)])
-    decodes = [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * s.batch
-    decode = write_trace_csv(workdir / "corun-decode.csv", decodes)
+    s, request_s, token_s = shapes, *overheads
 
-    async def probe_ttft() -> float:
-        records = await replay(url, probe, vocab, next(seeds), concurrency=1)
-        return statistics.median(r.ttft_s for r in records if r.ok)
+    def trace(name: str, rows: list[TraceRow]) -> Path:
+        return write_trace_csv(workdir / f"corun-{name}.csv", rows)
 
-    async def decode_tpot() -> float:
-        records = await replay(url, decode, vocab, next(seeds))
-        return statistics.median(r.tpot_s for r in records if r.ok)
+    async def ttft(prompt: int) -> list[float]:
+        rows = [TraceRow(0.0, prompt, 1)] * s.probes
+        records = await replay(url, trace(f"p{prompt}", rows), vocab, next(seeds), concurrency=1)
+        return [r.ttft_s - request_s for r in records if r.ok]
 
-    async def loop(trace: Path, stop: asyncio.Event) -> None:
-        while not stop.is_set():  # one trace at a time: a request or a decoding batch
-            await replay(url, trace, vocab, next(seeds))
+    async def tpot(batch: int) -> list[float]:
+        rows = [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * batch
+        records = await replay(url, trace(f"d{batch}", rows), vocab, next(seeds))
+        return [r.tpot_s - token_s for r in records if r.ok]
 
-    async def beside(measure, other: Path) -> float:
-        stop = asyncio.Event()
-        task = asyncio.create_task(loop(other, stop))
-        await asyncio.sleep(0.3)  # the other worker is computing by now
-        try:
-            return await measure()
-        finally:
-            stop.set()
-            await task
+    async def loop(other: Path, stop: asyncio.Event) -> None:
+        while not stop.is_set():  # one trace at a time: a busy prefill, or a decoding batch
+            await replay(url, other, vocab, next(seeds))
 
-    async def run() -> dict[str, float]:
-        return {
-            "prefill_alone_s": await probe_ttft(),
-            "prefill_beside_decode_s": await beside(probe_ttft, decode),
-            "decode_alone_s": await decode_tpot(),
-            "decode_beside_prefill_s": await beside(decode_tpot, busy),
-        }
+    async def pair(measure, other: Path) -> tuple[float, float]:
+        alone, beside = [], []
+        for _ in range(s.rounds):
+            alone += await measure()
+            stop = asyncio.Event()
+            task = asyncio.create_task(loop(other, stop))
+            await asyncio.sleep(0.3)  # the other worker is computing by now
+            try:
+                beside += await measure()
+            finally:
+                stop.set()
+                await task
+        return statistics.median(alone), statistics.median(beside)
 
-    out = asyncio.run(run())
-    request_s, token_s = overheads
-    for kind, overhead, beside_key in (
-        ("prefill", request_s, "prefill_beside_decode_s"),
-        ("decode", token_s, "decode_beside_prefill_s"),
-    ):
-        alone = out[f"{kind}_alone_s"] - overhead
-        out[f"{kind}_slowdown"] = max(0.0, (out[beside_key] - overhead) / alone - 1.0)
+    async def run() -> dict[str, list]:
+        decoding = trace(
+            "busy-decode", [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * s.busy_batch
+        )
+        prefilling = trace("busy-prefill", [TraceRow(0.0, s.busy_prompt, 1)])
+        pre = [(n, *await pair(lambda n=n: ttft(n), decoding)) for n in s.probe_prompts]
+        dec = [(b, *await pair(lambda b=b: tpot(b), prefilling)) for b in s.batches]
+        return {"prefill": pre, "decode": dec}
+
+    points = asyncio.run(run())
+    out: dict[str, Any] = {"points_s": points}
+    for kind, rows in points.items():
+        out[f"{kind}_slowdown"] = max(0.0, statistics.median(b / a - 1.0 for _, a, b in rows))
     return out
