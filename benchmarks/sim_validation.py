@@ -1,30 +1,37 @@
 """Validate the simulator (cluster/simulator) against the live CPU cluster: the same requests
 replayed on `tandem serve --prefill 1 --decode 1` and simulated with `static:1:1` and the
-measured capacity profile, TTFT and TPOT p50/p90 compared per workload.
+measured capacity profile, TTFT and TPOT p50/p90 compared per workload (benchmarks/README.md).
 
-    python benchmarks/sim_validation.py                    # three workloads, ~90 s each
+    python benchmarks/sim_validation.py --attempts 4      # three workloads, ~10 min quiet
     python benchmarks/sim_validation.py --quick --model M --profile P --out /tmp/v.json
+    python benchmarks/sim_validation.py --resimulate results/sim_validation.json --profile P
 
 Lifecycle of a run:
 1. the profile (`--profile`, default benchmarks/results/capacity-cpu.json, written by
    `tandem profile --capacity --live`) names the engine flags it was measured with (dtype,
    block size, step budget, quantization, disaggregation threshold): the server runs exactly
    those (`serve_flags`), on the profile's model;
-2. each workload (chat, summarize, decode-heavy) is a list of requests built from its seed:
-   Poisson arrivals at its rate, prompt and output lengths uniform on its ranges; it is written
-   as an Azure-format trace CSV, the one file both sides read;
-3. `tandem serve` starts (bench/live_server.py), is warmed up (both prefill paths, a small
-   burst), then each trace is replayed by the `tandem bench serve` client (bench/client.py,
-   `--dataset trace:CSV`: token-id prompts of exact length, fresh random ids per request so the
-   prefix cache finds nothing, `ignore_eos` so outputs are exact; TTFT from the send to the
-   first chunk, TPOT = (E2E - TTFT) / (output - 1)); the server is stopped;
-4. the same requests, at the offsets the client really sent them, go through `simulate` with
-   `static:1:1`, the profile and the server's disaggregation threshold;
-5. per workload and metric, p50 and p90 of both sides and the relative error (sim - live) /
-   live; a cell passes within `--tolerance` (25%). A table is printed, the JSON (every request
-   of both sides) and a plot of the CDFs are written.
+2. `tandem serve` starts (bench/live_server.py) and is warmed up (both prefill paths, a burst);
+3. co-run calibration (sim_validation_live.calibrate_corun): how much slower a prefill is
+   beside a decoding batch and a decode step beside a prefilling worker, on this server with
+   requests of other shapes than the workloads'; the profile does not measure it and the
+   2-core box runs both workers on shared cores (`corun_slowdowns` turns it into the
+   simulator's SimConfig slowdowns);
+4. each workload (chat, summarize, decode-heavy) is a list of requests built from its seed
+   (Poisson arrivals at its rate, prompt and output lengths uniform on its ranges), written as
+   an Azure-format trace CSV and replayed by the `tandem bench serve` client (bench/client.py,
+   `--dataset trace:CSV`: token-id prompts of exact length, fresh random ids per request and
+   per attempt so the prefix cache finds nothing, `ignore_eos` so outputs are exact); a replay
+   during which other jobs used more than `--max-foreign-cores` is run again (`--attempts`),
+   after waiting for a quiet machine; the server is stopped;
+5. judging (also `--resimulate`, from a saved result): the same requests, at the offsets the
+   client sent them, go through `simulate` with `static:1:1`, the profile, the server's
+   disaggregation threshold and both workers on one machine with the calibrated slowdowns
+   (and once without them, for comparison); per workload and metric, p50 and p90 of both sides
+   and (sim - live) / live; a cell passes within `--tolerance` (25%). A table is printed, the
+   JSON (every request of both sides) and a plot of the CDFs are written.
 
-Nothing is fitted here: one profile and one simulator for all three workloads.
+Nothing is fitted to the workloads: one profile, one calibration and one simulator for all.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -386,13 +394,13 @@ def _calibrate(ctx: dict[str, Any], profile: CapacityProfile, window: int, quick
     """calibrate_corun on a quiet machine: again (up to `attempts` times) while other jobs
     used more than `max_foreign_cores`; the cleanest attempt."""
     shapes = CorunShapes.for_server(ctx["threshold"], window, quick)
-    overheads = (profile.request_overhead_s, profile.token_overhead_s)
     tries = []
     for _ in range(ctx["attempts"]):
         waited, _ = wait_quiet(ctx["server_sid"], ctx["max_foreign_cores"], ctx["max_wait_s"])
         cpu = CpuAccount(ctx["server_sid"])
-        corun = calibrate_corun(ctx["url"], ctx["vocab"], shapes, overheads, ctx["workdir"])
-        tries.append(corun | {"shapes": asdict(shapes), "waited_s": waited, "cpu": cpu.stop()})
+        points = calibrate_corun(ctx["url"], ctx["vocab"], shapes, ctx["workdir"])
+        corun = {"points_s": points, "shapes": asdict(shapes), "waited_s": waited}
+        tries.append(corun | corun_slowdowns(points, profile) | {"cpu": cpu.stop()})
         if tries[-1]["cpu"]["foreign_cores"] <= ctx["max_foreign_cores"]:
             break
     corun = min(tries, key=lambda t: t["cpu"]["foreign_cores"])
@@ -405,11 +413,38 @@ def _calibrate(ctx: dict[str, Any], profile: CapacityProfile, window: int, quick
     return corun
 
 
+def corun_slowdowns(points: dict[str, list], profile: CapacityProfile) -> dict[str, float]:
+    """The simulator's co-run slowdowns from calibrate_corun's points, net of the profile's
+    overheads (which the simulator adds unslowed): decode, the median over the batches of
+    (beside / alone - 1); prefill, the same over the prompt lengths, divided by the share of
+    the step that is not attention (`PrefillCost.attention_s` at that length), the part that
+    slows down (workers.py)."""
+    from cluster.simulator.prefill_cost import PrefillCost
+
+    cost, request_s, token_s = (
+        PrefillCost(profile),
+        profile.request_overhead_s,
+        profile.token_overhead_s,
+    )
+    prefill = []
+    for n, alone, beside in points["prefill"]:
+        share = 1.0 - cost.attention_s([(n, 0)]) / cost.step_s([(n, 0)])
+        ratio = (beside - request_s) / (alone - request_s)
+        prefill.append((ratio - 1.0) / max(share, 1e-6))
+    decode = [(b - token_s) / (a - token_s) - 1.0 for _, a, b in points["decode"]]
+    return {
+        "prefill_slowdown": max(0.0, statistics.median(prefill)),
+        "decode_slowdown": max(0.0, statistics.median(decode)),
+    }
+
+
 def judge_run(run: dict[str, Any], profile: CapacityProfile, path: Path, tol: float) -> None:
     """Simulate and compare every workload of a measured run (in place)."""
     run["profile"] = {"path": str(path), "model": profile.model, "hardware": profile.hardware}
     run["policy"] = "static:1:1"
     run["tolerance"] = tol
+    if run.get("corun") is not None:  # the slowdowns as this profile splits the steps
+        run["corun"] |= corun_slowdowns(run["corun"]["points_s"], profile)
     for w in run["workloads"]:
         judge(w, profile, run, tol)
         log(f"{w['workload']['name']}:")

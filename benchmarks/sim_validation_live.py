@@ -18,7 +18,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -207,14 +206,15 @@ class CorunShapes:
 
 
 def calibrate_corun(
-    url: str, vocab: int, shapes: CorunShapes, overheads: tuple[float, float], workdir: Path
-) -> dict[str, Any]:
+    url: str, vocab: int, shapes: CorunShapes, workdir: Path
+) -> dict[str, list[tuple[int, float, float]]]:
     """How much slower each worker's steps are while the other computes: remote prefills'
     TTFT beside a decoding batch against alone, and decoding batches' TPOT beside a busy
-    prefill worker against alone, each net of the profile's (request, token) overheads. The
-    slowdown of each kind is the median over its shapes of (beside / alone - 1), >= 0."""
+    prefill worker against alone, as seen by the client:
+    {"prefill": [(prompt, alone s, beside s)], "decode": [(batch, alone s, beside s)]}
+    (medians; sim_validation.corun_slowdowns turns them into the simulator's slowdowns)."""
     seeds = iter(range(2 * 10**9, 3 * 10**9))
-    s, request_s, token_s = shapes, *overheads
+    s = shapes
 
     def trace(name: str, rows: list[TraceRow]) -> Path:
         return write_trace_csv(workdir / f"corun-{name}.csv", rows)
@@ -222,12 +222,12 @@ def calibrate_corun(
     async def ttft(prompt: int) -> list[float]:
         rows = [TraceRow(0.0, prompt, 1)] * s.probes
         records = await replay(url, trace(f"p{prompt}", rows), vocab, next(seeds), concurrency=1)
-        return [r.ttft_s - request_s for r in records if r.ok]
+        return [r.ttft_s for r in records if r.ok]
 
     async def tpot(batch: int) -> list[float]:
         rows = [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * batch
         records = await replay(url, trace(f"d{batch}", rows), vocab, next(seeds))
-        return [r.tpot_s - token_s for r in records if r.ok]
+        return [r.tpot_s for r in records if r.ok]
 
     async def loop(other: Path, stop: asyncio.Event) -> None:
         while not stop.is_set():  # one trace at a time: a busy prefill, or a decoding batch
@@ -247,7 +247,7 @@ def calibrate_corun(
                 await task
         return statistics.median(alone), statistics.median(beside)
 
-    async def run() -> dict[str, list]:
+    async def run() -> dict[str, list[tuple[int, float, float]]]:
         decoding = trace(
             "busy-decode", [TraceRow(0.0, s.local_prompt, s.decode_tokens)] * s.busy_batch
         )
@@ -256,8 +256,4 @@ def calibrate_corun(
         dec = [(b, *await pair(lambda b=b: tpot(b), prefilling)) for b in s.batches]
         return {"prefill": pre, "decode": dec}
 
-    points = asyncio.run(run())
-    out: dict[str, Any] = {"points_s": points}
-    for kind, rows in points.items():
-        out[f"{kind}_slowdown"] = max(0.0, statistics.median(b / a - 1.0 for _, a, b in rows))
-    return out
+    return asyncio.run(run())

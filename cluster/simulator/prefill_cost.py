@@ -20,6 +20,8 @@ the curve at the step's tokens, with one N-token prompt's attention swapped for 
 own. A single fresh prompt costs exactly prefill_s(n), and a profile whose curve is linear
 (q = 0) is charged exactly as before. A mixed step (decodes beside the chunks) adds the decode
 step without its fixed part (the weights are read once), as `CapacityProfile.mixed_step_s`.
+`attention_s` is the step's attention part alone: a worker that shares its machine slows down
+in the other part (workers.py).
 
 Lifecycle: built once per simulated cluster from its profile; then only read.
 """
@@ -61,6 +63,11 @@ class PrefillCost:
             return base
         own = sum(n * n + 2 * n * c for n, c in chunks)
         return max(base + self.q * (own - total * total), 1e-9)
+
+    def attention_s(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The part of `step_s(chunks)` the fit puts in attention (each chunk's queries against
+        its own prompt); the rest grows with the step's tokens (projections, MLP, weights)."""
+        return min(self.q * sum(n * n + 2 * n * c for n, c in chunks), self.step_s(chunks))
 
     def mixed_step_s(self, chunks: Sequence[tuple[int, int]], batch: int, context: int) -> float:
         """A step that computes `chunks` and decodes `batch` sequences reading `context`."""

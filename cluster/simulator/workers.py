@@ -20,10 +20,13 @@ the step then in progress.
 
 Workers sharing a machine (`peers`: the CPU box runs a prefill and a decode worker on its two
 cores, which share the memory bandwidth and the router's CPU) slow each other down: while a
-peer computes, a worker's steps take (1 + `corun_slowdown`) times as long. A prefill step in
-progress is re-timed when a peer starts or stops (its remaining work at the new rate); a
-decode run is cut at the step in progress, which keeps its rate, and the next step takes the
-new one. Without peers (each worker on its own GPU, the default) nothing of this runs.
+peer computes, a decode step takes (1 + `corun_slowdown`) times as long, and so does a prefill
+step's part that streams the weights (all but its attention, `PrefillCost.attention_s`, which
+runs from the core's caches: measured, a 256-token prompt slowed by ~30% beside a decoding
+batch, a 1536-token one by ~12%). A prefill step in progress is re-timed when a peer starts or
+stops (its remaining work at the new rate); a decode run is cut at the step in progress, which
+keeps its rate, and the next step takes the new one. Without peers (each worker on its own
+GPU, the default) nothing of this runs.
 """
 
 from __future__ import annotations
@@ -75,9 +78,11 @@ class Worker:
         self.corun_slowdown = 0.0  # its steps' extra time while a peer computes
         self.factor = 1.0  # the slowdown of the step in progress
 
-    def corun_factor(self) -> float:
+    def corun_factor(self, share: float = 1.0) -> float:
+        """How much longer the step runs now: `share` of it slows by corun_slowdown while a
+        peer computes."""
         if self.corun_slowdown and any(p.busy for p in self.peers):
-            return 1.0 + self.corun_slowdown
+            return 1.0 + self.corun_slowdown * share
         return 1.0
 
     def set_busy(self, busy: bool, now: float) -> None:
@@ -102,7 +107,7 @@ class Worker:
 
 
 class PrefillWorker(Worker):
-    __slots__ = ("waiting", "queued_tokens", "_chunks", "_work_s", "_since")
+    __slots__ = ("waiting", "queued_tokens", "_chunks", "_work_s", "_since", "_share")
 
     def __init__(self, wid: int, pool: str, host: Host, asked_s: float) -> None:
         super().__init__(wid, pool, host, asked_s)
@@ -110,6 +115,7 @@ class PrefillWorker(Worker):
         self.queued_tokens = 0  # prompt tokens still to compute, the step in flight's included
         self._chunks: list[tuple[Flight, int]] = []
         self._work_s, self._since = 0.0, 0.0  # the step's work left (unslowed s), since when
+        self._share = 1.0  # the share of the step a co-running peer slows down
 
     def is_empty(self) -> bool:
         return not self.waiting
@@ -136,17 +142,20 @@ class PrefillWorker(Worker):
             chunks.append((flight, take))
             budget -= take
         self._chunks = chunks
-        self._end_step_after(self.host.prefill_cost.step_s(_chunk_shapes(chunks)), now)
+        cost, shapes = self.host.prefill_cost, _chunk_shapes(chunks)
+        work = cost.step_s(shapes)
+        self._share = 1.0 - cost.attention_s(shapes) / work if work > 0 else 1.0
+        self._end_step_after(work, now)
 
     def _end_step_after(self, work_s: float, now: float) -> None:
         """Schedule the step's end: `work_s` seconds of work at the current co-run rate."""
         self._work_s, self._since = work_s, now
-        self.factor = self.corun_factor()
+        self.factor = self.corun_factor(self._share)
         self.version += 1
         self.host.queue.push(now + work_s * self.factor, STEP_END, self, self.version)
 
     def peer_changed(self, now: float) -> None:
-        if self.corun_factor() != self.factor:
+        if self.corun_factor(self._share) != self.factor:
             done = (now - self._since) / self.factor
             self._end_step_after(max(self._work_s - done, 0.0), now)
 

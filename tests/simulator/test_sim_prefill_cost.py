@@ -73,3 +73,19 @@ def test_the_simulated_prefill_worker_charges_a_shared_step_so():
     shared = A + B * 1000 + Q * (400**2 + 600**2)
     assert r.ttft_s == [approx(shared), approx(shared)]
     assert shared < profile.prefill_s(1000)  # the old charge: one 1000-token prompt
+
+
+def test_the_attention_part_is_the_fit_s_quadratic_term():
+    cost = PrefillCost(curved_profile())
+    assert cost.attention_s([(250, 0)] * 4) == approx(Q * 4 * 250**2)
+    assert cost.attention_s([(200, 800)]) == approx(Q * (200**2 + 2 * 200 * 800))
+    assert PrefillCost(make_profile()).attention_s([(500, 0)]) == 0.0
+
+
+def test_beside_a_busy_peer_only_the_non_attention_part_slows_down():
+    profile = curved_profile()
+    reqs = [req(0.0, 100, 3000), req(0.5, 1000, 1)]  # r0 keeps the decode worker busy
+    config = SimConfig(host_workers=2, disagg_threshold=200, prefill_corun_slowdown=0.5)
+    r = simulate(reqs, profile, FixedPolicy(prefill=1, decode=1), config)
+    attention = Q * 1000**2
+    assert r.ttft_s[1] == approx(attention + (quadratic(1000) - attention) * 1.5)
