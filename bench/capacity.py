@@ -61,7 +61,7 @@ from bench.capacity_steps import (
     measure_prefill,
     measure_transfer,
 )
-from engine.config_flags import add_flags, setting, values_from_args
+from engine.config_flags import add_flags, parse_int_list, setting, values_from_args
 
 Log = Callable[[str], None]
 DEFAULT_OUT_DIR = "benchmarks/results"
@@ -72,13 +72,6 @@ SERVE_DTYPE = "bfloat16"  # EngineConfig's default: what `tandem serve` runs wit
 WORKER_IMPORTS = "import torch, engine.llm_engine, kv_transfer.agent"
 # Flags the latency profile (bench/profile.py) already defines; a capacity run reads them too.
 SHARED_FLAGS = ("model", "dtype", "threads", "seed", "load_format", "attention_backend", "repeats")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 @dataclass(slots=True)
@@ -104,14 +97,14 @@ class CapacityConfig:
     max_model_len: int | None = setting(None, "cap on the context window")
     prefill_lengths: tuple[int, ...] | None = setting(
         None, "prompt lengths to prefill, comma-separated (unset: 16 .. the step budget)",
-        parse=_int_list,
+        parse=parse_int_list,
     )  # fmt: skip
     batches: tuple[int, ...] | None = setting(
-        None, "decode batch sizes, comma-separated (unset: 1,2,4,8,16,32,64)", parse=_int_list
+        None, "decode batch sizes, comma-separated (unset: 1,2,4,8,16,32,64)", parse=parse_int_list
     )
     contexts: tuple[int, ...] | None = setting(
         None, "decode context per sequence, comma-separated (unset: 16 .. the window)",
-        parse=_int_list,
+        parse=parse_int_list,
     )  # fmt: skip
     decode_steps: int | None = setting(None, "timed decode steps per grid cell (unset: 6)")
     live: bool = setting(False, "measure the overheads outside the engine on a live server")

@@ -37,17 +37,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from engine.config_flags import add_flags, setting, values_from_args
+from engine.config_flags import add_flags, parse_int_list, setting, values_from_args
 
 DEFAULT_LENGTHS = (32, 64, 128, 256, 512, 768, 1024, 1536, 2000)
 DEFAULT_OUT = "benchmarks/results/profile"
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 @dataclass(slots=True)
@@ -57,10 +50,10 @@ class ProfileConfig:
     model: str = setting(help="local HF model directory")
     dtype: str = setting("float32", "torch dtype of the weights and activations")
     lengths: tuple[int, ...] = setting(
-        DEFAULT_LENGTHS, "prompt lengths to prefill, comma-separated", parse=_int_list
+        DEFAULT_LENGTHS, "prompt lengths to prefill, comma-separated", parse=parse_int_list
     )
     positions: tuple[int, ...] | None = setting(
-        None, "decode positions to report (unset: 12 evenly spaced)", parse=_int_list
+        None, "decode positions to report (unset: 12 evenly spaced)", parse=parse_int_list
     )
     max_position: int | None = setting(
         None, "grow the decode sequence to this many tokens (unset: the context window)"

@@ -38,19 +38,12 @@ from cluster.planner.roofline import (
     roofline_profile,
     step_weight_bytes,
 )
-from engine.config_flags import add_flags, setting, values_from_args
+from engine.config_flags import add_flags, parse_int_list, setting, values_from_args
 from router.signals import LengthHistogram, WindowSignals
 
 PLANNER_EXCLUDE = ("expected_rate_rps", "expected_prompt_tokens", "expected_output_tokens")
 PLAN_MAX_WORKERS = 1000
 MIN_WINDOW_ARRIVALS = 2000  # a synthetic window holds this many requests (length resolution)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 @dataclass(slots=True)
@@ -100,10 +93,10 @@ class PlanConfig:
         "each later token's cost outside the engine, ms (unset: --calibrate's profile's, else 0)",
     )
     prompt: tuple[int, ...] | None = setting(
-        None, "prompt lengths, comma-separated", parse=_int_list
+        None, "prompt lengths, comma-separated", parse=parse_int_list
     )
     output: tuple[int, ...] | None = setting(
-        None, "output lengths, comma-separated (unset: 1)", parse=_int_list
+        None, "output lengths, comma-separated (unset: 1)", parse=parse_int_list
     )
     rate: float | None = setting(None, "requests/s to size the pools for")
     trace: str | None = setting(None, "take the length mix (and rate) from this trace")

@@ -151,6 +151,14 @@ def field_default(cls: type, name: str) -> Any:
     raise KeyError(f"{cls.__name__}.{name} has no default")
 
 
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers (`--lengths 32,64,128`)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
 def parse_float_or_inf(text: str) -> float:
     """A float flag that also takes 'inf' (float() already does; named for the help)."""
     return float(text)
