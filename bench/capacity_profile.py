@@ -48,6 +48,10 @@ class CapacityProfile:
     gpus_per_worker: int = 1
     request_overhead_s: float = 0.0
     token_overhead_s: float = 0.0
+    # Seconds per squared prompt token of causal attention in a prefill step (q of
+    # prefill_s(n) ~ a + b*n + q*n^2). A roofline knows it; None: fitted from the points
+    # (bench/prefill_cost.py), as for a measured profile.
+    prefill_attention_s: float | None = None
     # Raw measurements and fit quality, for reports; never read by the model.
     measurements: dict = field(default_factory=dict)
 
@@ -66,6 +70,8 @@ class CapacityProfile:
         _check("transfer_bytes_per_s", self.transfer_bytes_per_s)
         for name in ("transfer_latency_s", "startup_s", "request_overhead_s", "token_overhead_s"):
             _check(name, getattr(self, name), allow_zero=True)
+        if self.prefill_attention_s is not None:
+            _check("prefill_attention_s", self.prefill_attention_s, allow_zero=True)
         for name in (
             "kv_bytes_per_token",
             "kv_capacity_tokens",

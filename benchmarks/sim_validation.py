@@ -419,7 +419,7 @@ def corun_slowdowns(points: dict[str, list], profile: CapacityProfile) -> dict[s
     (beside / alone - 1); prefill, the same over the prompt lengths, divided by the share of
     the step that is not attention (`PrefillCost.attention_s` at that length), the part that
     slows down (workers.py)."""
-    from cluster.simulator.prefill_cost import PrefillCost
+    from bench.prefill_cost import PrefillCost
 
     cost, request_s, token_s = (
         PrefillCost(profile),

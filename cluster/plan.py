@@ -41,7 +41,12 @@ from cluster.planner.roofline import (
 from engine.config_flags import add_flags, parse_int_list, setting, values_from_args
 from router.signals import LengthHistogram, WindowSignals
 
-PLANNER_EXCLUDE = ("expected_rate_rps", "expected_prompt_tokens", "expected_output_tokens")
+PLANNER_EXCLUDE = (
+    "expected_rate_rps",
+    "expected_prompt_tokens",
+    "expected_output_tokens",
+    "expected_peak_prompt_tokens_1s",
+)
 PLAN_MAX_WORKERS = 1000
 MIN_WINDOW_ARRIVALS = 2000  # a synthetic window holds this many requests (length resolution)
 

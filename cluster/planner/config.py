@@ -85,6 +85,11 @@ class PlannerConfig:
     expected_output_tokens: int | None = setting(
         None, "expected output length at start-up (and the prior before any request finished)"
     )
+    expected_peak_prompt_tokens_1s: float | None = setting(
+        None,
+        "expected peak of prompt tokens arriving within 1 s (e.g. the same hour yesterday): "
+        "the burst hold starts from it, so the first burst meets held capacity",
+    )
     # Tuning kept off the command line.
     forecast_alpha: float = setting(0.3, "Holt level smoothing (0..1]", cli=False)
     forecast_beta: float = setting(0.1, "Holt trend smoothing (0..1]", cli=False)
@@ -138,8 +143,9 @@ class PlannerConfig:
         self._check_expected()
 
     def _check_expected(self) -> None:
-        if self.expected_rate_rps is not None:
-            _non_negative("expected_rate_rps", self.expected_rate_rps)
+        for name in ("expected_rate_rps", "expected_peak_prompt_tokens_1s"):
+            if getattr(self, name) is not None:
+                _non_negative(name, getattr(self, name))
         for name in (
             "expected_prompt_tokens",
             "expected_output_tokens",

@@ -203,6 +203,8 @@ class DemandTracker:
     def __post_init__(self) -> None:
         c = self.config
         self.holt = HoltForecast(c.forecast_alpha, c.forecast_beta, c.forecast_damping)
+        if c.burst_half_life_s > 0:  # an expected burst is held (and decays) like a seen one
+            self._peak_1s = float(c.expected_peak_prompt_tokens_1s or 0.0)
 
     def observe(self, window: WindowSignals) -> None:
         self.windows.append(window)

@@ -84,12 +84,17 @@ class ModelShape:
         every projection once per token, the LM head once per prompt (logits of the last token
         only), and causal attention (QK^T and PV over half the square of each prompt)."""
         per_prompt = tokens / prompts
-        attn = 2 * self.num_layers * self.num_heads * self.head_dim * per_prompt**2 * prompts
+        attn = self.attention_flops_per_token2() * per_prompt**2 * prompts
         return (
             2 * self.num_layers * self.layer_params * tokens
             + 2 * self.table_params * prompts
             + attn
         )
+
+    def attention_flops_per_token2(self) -> float:
+        """Causal attention FLOPs of one prompt per squared token (QK^T and PV, 2 FLOPs per
+        multiply-add, over half the square)."""
+        return 2 * self.num_layers * self.num_heads * self.head_dim
 
     def decode_flops_per_seq(self) -> float:
         """FLOPs one sequence adds to a decode step: every projection and the LM head."""

@@ -49,6 +49,7 @@ from .sizing import (
     decode_load,
     decode_tpot_p50,
     local_ttft_p90,
+    mix_service,
     plan_pools,
     prefill_load,
     prefill_ttft_p90,
@@ -103,7 +104,8 @@ def fit_budget(
 
 
 def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int]:
-    """The pools' minimums, or (with `expected_rate_rps`) what that load needs: the sizes
+    """The pools' minimums, or (with `expected_rate_rps`) what that load needs, and the
+    prefill workers an expected burst (`expected_peak_prompt_tokens_1s`) needs: the sizes
     every adaptive policy starts from (the first workers asked for serve a start-up later)."""
     c = config
     sizes = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
@@ -124,6 +126,12 @@ def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int
         bounds = Bounds(c.min_prefill, c.max_prefill, c.min_decode, c.max_decode)
         plan = plan_pools(profile, wl, targets, Corrections(), bounds)
         sizes = {PREFILL_POOL: plan.prefill.workers, DECODE_POOL: plan.decode.workers}
+        if c.expected_peak_prompt_tokens_1s and c.burst_half_life_s > 0 and not plan.local_only:
+            mu = mix_service(profile, wl.prompts)[0]
+            held = burst_prefill_workers(
+                profile, c.expected_peak_prompt_tokens_1s, targets, 1.0, mu
+            )
+            sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], min(held, c.max_prefill))
     floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
     return fit_budget(sizes, sizes, c.budget_workers(profile.gpus_per_worker), {}, floors)
 
@@ -210,7 +218,8 @@ class Planner:
     def _burst_hold(self, corr: Corrections) -> int:
         """Prefill workers the held 1-s burst peak needs (within max_prefill)."""
         peak = self.demand.held_peak_tokens_1s
-        n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill)
+        mu = self._mix_mu(corr)
+        n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
         return min(n, self.bounds.max_prefill)
 
     def _residual_backlog(self, wl: Workload, pools: PoolCounts, corr: Corrections) -> Workload:
@@ -220,7 +229,7 @@ class Planner:
         ready = pools.ready.get(PREFILL_POOL, 0)
         if ready < 1 or wl.queued_prompt_tokens <= 0:
             return wl
-        mu = self.profile.prefill_tokens_per_s() / max(corr.prefill, 1.0)
+        mu = self._mix_mu(corr)
         arriving = wl.rate * wl.prompts.mean() * wl.uncached
         drained = max(0.0, ready * mu - arriving) * self.startup_s
         left = max(0.0, wl.queued_prompt_tokens - drained)
@@ -228,6 +237,11 @@ class Planner:
         return replace(
             wl, queued_prompt_tokens=left, prefill_waiting=math.ceil(wl.prefill_waiting * share)
         )
+
+    def _mix_mu(self, corr: Corrections) -> float:
+        """One prefill worker's uncached tokens/s on the recent prompt mix."""
+        wl = self.demand.workload(self.demand.up_rate())
+        return mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
 
     def _bounds_of(self, pool: str) -> tuple[int, int]:
         b = self.bounds

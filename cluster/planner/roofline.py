@@ -237,6 +237,7 @@ def roofline_profile(model: ModelShape, hw: Hardware, s: RooflineSettings) -> Ca
         gpus_per_worker=hw.gpus,
         request_overhead_s=s.request_overhead_s,
         token_overhead_s=s.token_overhead_s,
+        prefill_attention_s=model.attention_flops_per_token2() / (hw.flops * e.flops),
         measurements={"roofline": _inputs(model, hw, s, kv)},
     )
 

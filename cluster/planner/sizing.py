@@ -2,7 +2,8 @@
 the SLO targets (no state, no clock; the planner and its tests call them directly).
 
 Prefill (TTFT, p90). A prefill worker is a server of `mu` uncached prompt tokens/s (full
-steps of `max_batch_tokens`); P workers are an M/G/P queue fed by the prompts at or above the
+steps of `max_batch_tokens`, each prompt paying its own attention: `mix_service`); P workers
+are an M/G/P queue fed by the prompts at or above the
 disaggregation threshold. A step holds whatever is queued (up to its budget), so the work
 ahead of a prompt is done at the full-step rate, and the prompt then takes its own time:
 
@@ -37,6 +38,7 @@ import math
 from dataclasses import dataclass, replace
 
 from bench.capacity_profile import CapacityProfile
+from bench.prefill_cost import PrefillCost
 
 from .demand import LengthDist, Workload
 
@@ -206,8 +208,8 @@ def prefill_load(
     if remote is None:
         return None
     u = wl.uncached
-    mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
-    es, scv = _service_moments([(p, m * u / mu) for p, m, _ in remote.parts])
+    mu, times = mix_service(profile, remote, u, correction)
+    es, scv = _service_moments(times)
     if u == 0:
         es, scv = 0.0, 0.0
     rate = wl.rate * share
@@ -225,6 +227,39 @@ def prefill_load(
         backlog_tokens=excess,
         correction=correction,
     )
+
+
+def mix_service(
+    profile: CapacityProfile, prompts: LengthDist, uncached: float = 1.0, correction: float = 1.0
+) -> tuple[float, list[tuple[float, float]]]:
+    """(one worker's uncached tokens/s on this prompt mix, (share, service seconds) per bucket).
+    A prompt's service is its tokens at a full step's per-token cost plus its own attention
+    (`PrefillCost.prompt_work_s`, as the simulator charges steps): a worker serves 1k-token
+    prompts faster than one 8k-token prompt per step (on the H100 roofline 34.7k against 30.7k
+    tok/s), and long prompts slower."""
+    cost, scale = prefill_cost(profile), _capacity_factor(correction)
+    times = [
+        (p, scale * cost.prompt_work_s(m * uncached, m * (1 - uncached)))
+        for p, m, _ in prompts.parts
+    ]
+    work = sum(p * t for p, t in times)
+    tokens = prompts.mean() * uncached
+    if work <= 0 or tokens <= 0:
+        return profile.prefill_tokens_per_s() / scale, times
+    return tokens / work, times
+
+
+def prefill_cost(profile: CapacityProfile) -> PrefillCost:
+    """The profile's `PrefillCost` (its attention fit), built once per profile object."""
+    entry = _COSTS.get(id(profile))
+    if entry is None or entry[0] is not profile:
+        if len(_COSTS) > 64:
+            _COSTS.clear()
+        entry = _COSTS[id(profile)] = (profile, PrefillCost(profile))
+    return entry[1]
+
+
+_COSTS: dict[int, tuple[CapacityProfile, PrefillCost]] = {}
 
 
 def prefill_ttft_p90(
@@ -278,15 +313,21 @@ def size_prefill(
 
 
 def burst_prefill_workers(
-    profile: CapacityProfile, peak_tokens_1s: float, targets: Targets, correction: float = 1.0
+    profile: CapacityProfile,
+    peak_tokens_1s: float,
+    targets: Targets,
+    correction: float = 1.0,
+    mu: float | None = None,
 ) -> int:
     """Prefill workers that keep a burst of `peak_tokens_1s` uncached prompt tokens arriving
     within one second under the TTFT target: C tokens/s of capacity leave the burst's last
     prompt (t = 1 s) (X - C) / C s of queue, and its own step takes `own`, so C (1 + goal -
-    own) >= X. 0 for no burst."""
+    own) >= X. `mu`: one worker's tokens/s on the traffic's prompt mix (`mix_service`, the
+    correction applied; default: full steps of one prompt). 0 for no burst."""
     if peak_tokens_1s <= 0:
         return 0
-    mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
+    if mu is None:
+        mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
     own = profile.request_overhead_s + correction * profile.prefill_s(profile.max_batch_tokens)
     return math.ceil(peak_tokens_1s / (mu * (1 + max(targets.ttft_goal - own, 0.0))) - 1e-9)
 

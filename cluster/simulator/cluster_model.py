@@ -29,9 +29,9 @@ import math
 from collections import deque
 
 from bench.capacity_profile import CapacityProfile
+from bench.prefill_cost import PrefillCost
 from cluster.planner.types import COLOCATED_POOL, DECODE_POOL, POOLS, PREFILL_POOL, PoolCounts
 from cluster.simulator.events import KV_LANDED, WORKER_READY, EventQueue, Flight
-from cluster.simulator.prefill_cost import PrefillCost
 from cluster.simulator.prefix_cache import cached_tokens
 from cluster.simulator.window import WindowRecorder
 from cluster.simulator.workers import (

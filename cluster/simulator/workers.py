@@ -35,9 +35,9 @@ from collections import deque
 from typing import Protocol
 
 from bench.capacity_profile import CapacityProfile
+from bench.prefill_cost import PrefillCost
 from cluster.simulator.decode_batch import DecodeBatch, decode_span_s, step_in_progress
 from cluster.simulator.events import STEP_END, EventQueue, Flight
-from cluster.simulator.prefill_cost import PrefillCost
 from cluster.simulator.prefix_cache import PrefixCache
 from cluster.simulator.traces import BLOCK_TOKENS
 

@@ -70,6 +70,13 @@ def test_toy_profile_by_hand():
         assert s == pytest.approx(max(compute, memory) + 1e-4)
     # Start-up: 40 s plus the weights at 1 GB/s.
     assert p.startup_s == pytest.approx(40 + (w + TABLE * 2) / 1e9)
+    # Its attention term is known, not fitted: 2 x layers x heads x head_dim FLOPs per
+    # squared prompt token, at the prefill FLOP/s.
+    per_token2 = 2 * TOY.num_layers * TOY.num_heads * TOY.head_dim
+    assert p.prefill_attention_s == pytest.approx(per_token2 / flops)
+    assert TOY.prefill_flops(64, prompts=2) == pytest.approx(
+        TOY.prefill_flops(64) - per_token2 * (64**2 - 2 * 32**2) + 2 * TABLE
+    )
 
 
 def test_prefill_turns_compute_bound_as_tokens_grow():

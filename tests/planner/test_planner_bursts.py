@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 from planner_fakes import follow, pools, round_profile, window
 
@@ -137,3 +138,25 @@ def test_the_default_hold_outlasts_the_quiet_minutes_between_bursts():
         have = [d.desired[P], d.desired[D]]
     peak = 140_000 * 0.5 ** (600 / PlannerConfig().burst_half_life_s)
     assert have[0] == burst_prefill_workers(PROFILE, peak, Targets(1.0, 0.05)) >= 3
+
+
+def test_an_expected_burst_is_held_from_the_start_and_decays_like_a_seen_one():
+    cfg = config(
+        expected_rate_rps=2,
+        expected_prompt_tokens=1000,
+        expected_output_tokens=200,
+        expected_peak_prompt_tokens_1s=140_000,
+        burst_half_life_s=60,
+        down_cooldown_s=0,
+    )
+    warm = warm_start(PROFILE, cfg)
+    assert warm[P] == burst_prefill_workers(PROFILE, 140_000, Targets(1.0, 0.05)) == 5
+    assert warm_start(PROFILE, replace(cfg, expected_peak_prompt_tokens_1s=None))[P] == 1
+    for spec in ("planner", "dynamo", "threshold"):  # every adaptive policy starts there
+        assert make_policy(spec, PROFILE, cfg).initial() == warm
+    planner = Planner(PROFILE, cfg)
+    assert planner.demand.held_peak_tokens_1s == 140_000
+    sizes = follow(planner, [window(10 * i, 2) for i in range(60)], start=(warm[P], warm[D]))
+    assert sizes[0][0] == 5 and sizes[-1][0] == 1  # ten half-lives of quiet: let go
+    off = Planner(PROFILE, replace(cfg, burst_half_life_s=0))
+    assert off.demand.held_peak_tokens_1s == 0  # no hold: no expected burst either

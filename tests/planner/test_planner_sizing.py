@@ -15,6 +15,7 @@ from cluster.planner.sizing import (
     Targets,
     decode_load,
     erlang_c,
+    mix_service,
     plan_disaggregated,
     plan_local,
     plan_pools,
@@ -212,3 +213,27 @@ def test_a_tie_keeps_the_current_mode():
     wl = load(30.0)  # 2 + 1 split or 3 local
     assert not plan_pools(PROFILE, wl, TARGETS, Corrections(), WIDE).local_only
     assert plan_pools(PROFILE, wl, TARGETS, Corrections(), WIDE, prefer_local=True).local_only
+
+
+def test_a_worker_s_throughput_follows_the_prompt_mix():
+    # A curve with an attention term (q n^2): one 10k-token prompt per step is slower per
+    # token than ten 1k-token prompts sharing the step, as the simulator charges them.
+    a, b, q = 0.005, 4e-5, 1e-9
+    curve = [(n, a + b * n + q * n * n) for n in (100, 1000, 2500, 5000, 10_000)]
+    profile = round_profile(prefill_points=curve)
+    per_token = (profile.prefill_s(10_000) - q * 1e8) / 10_000
+    short, times = mix_service(profile, LengthDist.single(1000))
+    assert short == pytest.approx(1000 / (1000 * per_token + q * 1000**2))
+    assert times == [(1.0, pytest.approx(1000 / short))]
+    full, _ = mix_service(profile, LengthDist.single(10_000))
+    assert full == pytest.approx(profile.prefill_tokens_per_s()) and short > 1.2 * full
+    # Slower workers (correction 2) serve half as fast; a linear curve gives the full-step rate.
+    assert mix_service(profile, LengthDist.single(1000), correction=2.0)[0] == pytest.approx(
+        short / 2
+    )
+    assert mix_service(PROFILE, LengthDist.single(1000))[0] == pytest.approx(20_000)
+    # The prefill pool is sized with it.
+    pl = prefill_load(
+        profile, Workload(10.0, LengthDist.single(1000), LengthDist.single(100)), TARGETS
+    )
+    assert pl.mu == pytest.approx(short) and pl.mean_service_s == pytest.approx(1000 / short)

@@ -1,4 +1,4 @@
-"""The cost of a prefill step of several chunks (cluster/simulator/prefill_cost.py): attention
+"""The cost of a prefill step of several chunks (bench/prefill_cost.py): attention
 is per prompt, so k prompts in one step cost less than one prompt of as many tokens, a chunk
 after earlier chunks of its prompt pays for reading them, and one fresh prompt costs exactly
 the profile's curve. Hand-computed on a curve that is exactly a + b*n + q*n^2."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pytest import approx
 from sim_fakes import FixedPolicy, make_profile, req
 
+from bench.prefill_cost import PrefillCost, attention_coefficient
 from cluster.simulator import SimConfig, simulate
-from cluster.simulator.prefill_cost import PrefillCost, attention_coefficient
 
 A, B, Q = 0.005, 1e-4, 1e-7
 
@@ -89,3 +89,37 @@ def test_beside_a_busy_peer_only_the_non_attention_part_slows_down():
     r = simulate(reqs, profile, FixedPolicy(prefill=1, decode=1), config)
     attention = Q * 1000**2
     assert r.ttft_s[1] == approx(attention + (quadratic(1000) - attention) * 1.5)
+
+
+def test_a_flat_start_is_left_out_of_the_fit():
+    # A GPU-like curve: steps of up to 256 tokens take the weights' read time (flat), longer
+    # ones their compute, b*n + q*n^2. Fitting the quadratic through the flat start would
+    # put most of a long step in attention; past it the fit finds q.
+    b, q, floor = 3e-5, 5e-10, 0.0069
+    points = [(n, max(floor, b * n + q * n * n)) for n in (16, 32, 64, 128)]
+    points += [(n, b * n + q * n * n) for n in (512, 1024, 2048, 4096, 8192)]
+    profile = make_profile(prefill_points=points, max_batch_tokens=8192)
+    assert attention_coefficient(profile) == approx(q, rel=1e-3)
+    # Eight 1024-token prompts in one step cost their GEMMs (b per token) and their own
+    # attention: the step is not priced below its compute.
+    step = PrefillCost(profile).step_s([(1024, 0)] * 8)
+    assert step == approx(b * 8192 + q * 8 * 1024**2, rel=1e-3)
+
+
+def test_a_profile_that_knows_its_attention_term_is_not_fitted():
+    profile = curved_profile(prefill_attention_s=3e-7)
+    assert PrefillCost(profile).q == 3e-7
+    assert PrefillCost(curved_profile()).q == approx(Q, rel=1e-6)
+
+
+def test_a_prompt_s_work_is_its_tokens_at_a_full_step_s_rate_plus_its_attention():
+    profile = curved_profile(max_batch_tokens=1000)
+    cost = PrefillCost(profile)
+    per_token = (profile.prefill_s(1000) - Q * 1000**2) / 1000
+    assert cost.prompt_work_s(250) == approx(250 * per_token + Q * 250**2)
+    assert cost.prompt_work_s(200, cached=800) == approx(
+        200 * per_token + Q * (200**2 + 2 * 200 * 800)
+    )
+    # Four such prompts fill a step: their work adds up to the step's time.
+    assert 4 * cost.prompt_work_s(250) == approx(cost.step_s([(250, 0)] * 4))
+    assert cost.prompt_work_s(0) == 0.0
