@@ -40,7 +40,7 @@ from cluster.planner.config import PlannerConfig
 from cluster.simulator import report
 from cluster.simulator.foresight import ForesightPolicy
 from cluster.simulator.run import SimConfig, SimResult, simulate
-from cluster.simulator.sweep import SweepResult, best_colocated, best_static
+from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
 from cluster.simulator.traces import SimRequest, load_requests, shape_requests
 
 TRACES = {
@@ -105,26 +105,7 @@ def configs(args, requests: list[SimRequest]) -> tuple[PlannerConfig, SimConfig]
         max_decode=args.max_decode,
         **warm,
     )
-    sim = SimConfig(
-        slo_ttft_s=planner.slo_ttft_s,
-        slo_tpot_s=planner.slo_tpot_s,
-        interval_s=planner.interval_s,
-        disagg_threshold=planner.disagg_threshold,
-        startup_s=args.startup_s,
-    )
-    return planner, sim
-
-
-def static_sweep(requests, profile, sim, planner, target: float) -> SweepResult:
-    return best_static(
-        requests,
-        profile,
-        sim,
-        lambda p, d: make_policy(f"static:{p}:{d}", profile, planner),
-        prefill_counts=range(planner.min_prefill, planner.max_prefill + 1),
-        decode_counts=(planner.min_decode, planner.max_decode),
-        target=target,
-    )
+    return planner, SimConfig.for_planner(planner)
 
 
 def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
@@ -144,7 +125,7 @@ def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
     targets = sorted({0.99, math.floor(results["planner"].attainment * 1e4) / 1e4})
     sweeps = {}
     for target in targets:
-        sweeps[target] = static_sweep(requests, profile, sim, planner_cfg, target)
+        sweeps[target] = best_static_for(requests, profile, sim, planner_cfg, target)
         print(f"{name}: best static at {target:.2%}: {_size(sweeps[target])}", flush=True)
     for target, sweep in sweeps.items():
         if sweep.best_result is not None:

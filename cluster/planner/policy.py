@@ -192,7 +192,10 @@ class Planner:
             PREFILL_POOL: bool(not up.local_only and queued and queued.backlog_tokens > 0),
             DECODE_POOL: window.decode_waiting > 0,
         }
-        held = {PREFILL_POOL: 0 if up.local_only else self._burst_hold(corr), DECODE_POOL: 0}
+        held = {
+            PREFILL_POOL: 0 if up.local_only else self._burst_hold(corr, queued_wl),
+            DECODE_POOL: 0,
+        }
         desired, causes, reasons = {}, {}, {}
         for pool in POOLS:
             need_up = max(_workers(plans[pool], pool), held[pool])
@@ -215,10 +218,10 @@ class Planner:
     def _plan(self, wl: Workload, corr: Corrections, prefer_local: bool) -> PoolPlan:
         return plan_pools(self.profile, wl, self.targets, corr, self.bounds, prefer_local)
 
-    def _burst_hold(self, corr: Corrections) -> int:
+    def _burst_hold(self, corr: Corrections, wl: Workload) -> int:
         """Prefill workers the held 1-s burst peak needs (within max_prefill)."""
         peak = self.demand.held_peak_tokens_1s
-        mu = self._mix_mu(corr)
+        mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
         n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
         return min(n, self.bounds.max_prefill)
 
@@ -229,7 +232,7 @@ class Planner:
         ready = pools.ready.get(PREFILL_POOL, 0)
         if ready < 1 or wl.queued_prompt_tokens <= 0:
             return wl
-        mu = self._mix_mu(corr)
+        mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
         arriving = wl.rate * wl.prompts.mean() * wl.uncached
         drained = max(0.0, ready * mu - arriving) * self.startup_s
         left = max(0.0, wl.queued_prompt_tokens - drained)
@@ -237,11 +240,6 @@ class Planner:
         return replace(
             wl, queued_prompt_tokens=left, prefill_waiting=math.ceil(wl.prefill_waiting * share)
         )
-
-    def _mix_mu(self, corr: Corrections) -> float:
-        """One prefill worker's uncached tokens/s on the recent prompt mix."""
-        wl = self.demand.workload(self.demand.up_rate())
-        return mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
 
     def _bounds_of(self, pool: str) -> tuple[int, int]:
         b = self.bounds

@@ -24,7 +24,7 @@ from cluster.planner import make_policy
 from cluster.planner.config import PlannerConfig
 from cluster.simulator import report
 from cluster.simulator.run import SimConfig, SimResult, simulate
-from cluster.simulator.sweep import SweepResult, best_colocated, best_static
+from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
 from cluster.simulator.traces import FORMATS, SimRequest, load_requests, shape_requests
 from engine.config_flags import add_flags, values_from_args
 
@@ -100,12 +100,8 @@ def _run(args: argparse.Namespace) -> int:
     )
     profile = CapacityProfile.load(args.profile)
     planner_cfg = PlannerConfig(**values_from_args(PlannerConfig, args))
-    sim_cfg = SimConfig(
-        slo_ttft_s=planner_cfg.slo_ttft_s,
-        slo_tpot_s=planner_cfg.slo_tpot_s,
-        interval_s=planner_cfg.interval_s,
-        disagg_threshold=planner_cfg.disagg_threshold,
-        startup_s=planner_cfg.startup_s,
+    sim_cfg = SimConfig.for_planner(
+        planner_cfg,
         step_by_step=args.step_by_step,
         max_overrun_s=args.max_overrun_s,
         progress=not args.quiet,
@@ -137,16 +133,7 @@ def _sweep(
         raise ValueError(f"--target-attainment must be in (0, 1], got {args.target_attainment}")
     c = planner_cfg
     if kind == "best-static":
-        return best_static(
-            requests,
-            profile,
-            sim_cfg,
-            lambda p, d: make_policy(f"static:{p}:{d}", profile, c),
-            prefill_counts=range(c.min_prefill, c.max_prefill + 1),
-            decode_counts=(c.min_decode, c.max_decode),
-            target=args.target_attainment,
-            gpu_budget=c.gpu_budget,
-        )
+        return best_static_for(requests, profile, sim_cfg, c, args.target_attainment)
     return best_colocated(
         requests,
         profile,

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from bench.capacity_profile import CapacityProfile
+from cluster.planner.config import PlannerConfig
 from cluster.planner.types import DECODE_POOL, PREFILL_POOL, Decision, Policy
 from cluster.simulator.cluster_model import SimCluster, tpot_s
 from cluster.simulator.events import (
@@ -54,6 +55,19 @@ class SimConfig:
     max_overrun_s: float = 6 * 3600.0
     abort_after_misses: int | None = None
     progress: bool = False
+
+    @classmethod
+    def for_planner(cls, planner: PlannerConfig, **settings) -> SimConfig:
+        """A run judged by the planner's own targets and driven at its interval, threshold and
+        start-up time; `settings` sets the rest."""
+        return cls(
+            slo_ttft_s=planner.slo_ttft_s,
+            slo_tpot_s=planner.slo_tpot_s,
+            interval_s=planner.interval_s,
+            disagg_threshold=planner.disagg_threshold,
+            startup_s=planner.startup_s,
+            **settings,
+        )
 
     def __post_init__(self) -> None:
         for name in ("slo_ttft_s", "slo_tpot_s", "interval_s", "max_overrun_s"):

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from bench.capacity_profile import CapacityProfile
+from cluster.planner import make_policy
+from cluster.planner.config import PlannerConfig
 from cluster.planner.types import Policy
 from cluster.simulator.run import SimConfig, SimResult, simulate
 from cluster.simulator.traces import SimRequest
@@ -113,6 +115,26 @@ def _least(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
         else:
             lo = mid + 1
     return lo
+
+
+def best_static_for(
+    requests: list[SimRequest],
+    profile: CapacityProfile,
+    config: SimConfig,
+    planner: PlannerConfig,
+    target: float = 0.99,
+) -> SweepResult:
+    """`best_static` over the planner's pool bounds and GPU budget, with its static policies."""
+    return best_static(
+        requests,
+        profile,
+        config,
+        lambda p, d: make_policy(f"static:{p}:{d}", profile, planner),
+        prefill_counts=range(planner.min_prefill, planner.max_prefill + 1),
+        decode_counts=(planner.min_decode, planner.max_decode),
+        target=target,
+        gpu_budget=planner.gpu_budget,
+    )
 
 
 def best_static(

@@ -129,6 +129,18 @@ async def _until(server, name: str, pool: str, value: float, load: Load, feed, l
         await feed()
 
 
+def _log_with(server, lines: tuple[str, ...], timeout_s: float = 30.0) -> str:
+    """The server's log once it holds every one of `lines`, or after `timeout_s`: Ray
+    forwards an actor's output (the controller's) to the driver's log asynchronously, so a
+    line the metrics already reflect can still be on its way."""
+    deadline = time.monotonic() + timeout_s
+    log = server.log_text()
+    while not all(line in log for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        log = server.log_text()
+    return log
+
+
 def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_model, tmp_path):
     profile = _profile(e2e_model).save(tmp_path / "profile.json")
     rng = random.Random(7)
@@ -155,7 +167,7 @@ def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_
             return load
 
         load = asyncio.run(scenario())
-        log = server.log_text()
+        log = _log_with(server, ("started by the planner", "drained by the planner"))
         assert "started by the planner" in log and "drained by the planner" in log, log[-3000:]
         failed = [(p[:30], r) for p, _, r in load.results if isinstance(r, BaseException)]
         assert not failed, failed[:5]
