@@ -36,7 +36,7 @@ bench/capacity_model.py, the live part in bench/capacity_live.py.
 Flags shared with the latency profile (`--model`, `--dtype`, `--threads`, `--seed`,
 `--load-format`, `--attention-backend`, `--repeats`) keep their names; the rest are generated
 from `CapacityConfig`. The default model is the demo's cached `small` Llama
-(`engine.make_model.cached_model`: 8 layers, hidden 512, GQA 8/4 heads, vocab 8192, context
+(`tools.make_model.cached_model`: 8 layers, hidden 512, GQA 8/4 heads, vocab 8192, context
 2048), the model `tandem profile`, the demo and benchmarks/compare_disagg.py use.
 """
 
@@ -48,11 +48,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.capacity_config import (
+    DEFAULT_OUT_DIR,
+    SERVE_DTYPE,
+    SHARED_FLAGS,
+    CapacityConfig,
+    Log,
+)
 from bench.capacity_profile import CapacityProfile
 from bench.capacity_steps import (
     Prompts,
@@ -61,89 +66,12 @@ from bench.capacity_steps import (
     measure_prefill,
     measure_transfer,
 )
-from engine.config_flags import add_flags, parse_int_list, setting, values_from_args
+from engine.config_flags import add_flags, values_from_args
 
-Log = Callable[[str], None]
-DEFAULT_OUT_DIR = "benchmarks/results"
-SERVE_DTYPE = "bfloat16"  # EngineConfig's default: what `tandem serve` runs without --dtype
 # What a new worker process imports before it can build its engine. Ray's placement of the
 # actor is not in it: with --live, tandem serve's own start time replaces the estimate when
 # it is longer.
 WORKER_IMPORTS = "import torch, engine.llm_engine, kv_transfer.agent"
-# Flags the latency profile (bench/profile.py) already defines; a capacity run reads them too.
-SHARED_FLAGS = ("model", "dtype", "threads", "seed", "load_format", "attention_backend", "repeats")
-
-
-@dataclass(slots=True)
-class CapacityConfig:
-    """One `tandem profile --capacity` run. Engine fields mean what tandem serve's flags of the
-    same name mean; list fields left unset get the full or the --quick defaults."""
-
-    model: str = setting(help="local HF model directory")
-    dtype: str = setting(SERVE_DTYPE, "torch dtype of both workers", cli=False)
-    threads: int = setting(1, "torch threads of each worker (one worker's core share)", cli=False)
-    seed: int = setting(0, "seed of the random prompts", cli=False)
-    load_format: str = setting("auto", "weights: auto or dummy", cli=False)
-    attention_backend: str = setting("auto", "attention backend", cli=False)
-    repeats: int = setting(3, "timed runs per prefill point (median)", cli=False)
-    prefill_quantization: str = setting("auto", "projection weights of the prefill worker")
-    decode_quantization: str = setting("auto", "projection weights of the decode worker")
-    kv_dtype: str = setting("auto", "KV cache dtype (auto or fp8_e4m3)")
-    block_size: int = setting(16, "KV block size in tokens")
-    max_num_batched_tokens: int = setting(2048, "token budget of one step")
-    max_num_seqs: int = setting(256, "sequences per step")
-    kv_cache_memory_gb: float | None = setting(None, "KV cache GiB (unset: serve's default)")
-    num_kv_blocks: int | None = setting(None, "KV cache blocks (unset: sized from memory)")
-    max_model_len: int | None = setting(None, "cap on the context window")
-    prefill_lengths: tuple[int, ...] | None = setting(
-        None, "prompt lengths to prefill, comma-separated (unset: 16 .. the step budget)",
-        parse=parse_int_list,
-    )  # fmt: skip
-    batches: tuple[int, ...] | None = setting(
-        None, "decode batch sizes, comma-separated (unset: 1,2,4,8,16,32,64)", parse=parse_int_list
-    )
-    contexts: tuple[int, ...] | None = setting(
-        None, "decode context per sequence, comma-separated (unset: 16 .. the window)",
-        parse=parse_int_list,
-    )  # fmt: skip
-    decode_steps: int | None = setting(None, "timed decode steps per grid cell (unset: 6)")
-    live: bool = setting(False, "measure the overheads outside the engine on a live server")
-    live_requests: int | None = setting(None, "live: requests per prompt length (unset: 3)")
-    disagg_threshold: int = setting(
-        256, "live: prompts shorter than this are prefilled on the decode worker (serve's)"
-    )
-    quick: bool = setting(False, "a small, fast run (tests): fewer points, steps and repeats")
-    hardware: str | None = setting(None, "hardware name in the profile (unset: this CPU/GPU)")
-    capacity_out: str | None = setting(
-        None, f"profile JSON path (unset: {DEFAULT_OUT_DIR}/capacity-<cpu|cuda>.json)"
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("threads", "repeats", "block_size", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        for name in ("prefill_lengths", "batches", "contexts"):
-            values = getattr(self, name)
-            if values is not None:
-                if not values or any(v < 1 for v in values):
-                    raise ValueError(f"{name} must be positive integers, got {values}")
-                setattr(self, name, tuple(sorted(set(values))))
-        for name in ("decode_steps", "live_requests"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.disagg_threshold < 0:
-            raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
-
-    @property
-    def steps(self) -> int:
-        return self.decode_steps or (3 if self.quick else 6)
-
-    @property
-    def runs(self) -> int:
-        return 1 if self.quick else self.repeats
 
 
 # -- engines ---------------------------------------------------------------------------------
@@ -341,7 +269,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> CapacityConfig:
     model = args.model
     if model is None:
-        from engine.make_model import cached_model
+        from tools.make_model import cached_model
 
         model = str(cached_model(seed=args.seed))
     values = values_from_args(CapacityConfig, args, exclude=SHARED_FLAGS)

@@ -36,7 +36,7 @@ from bench.capacity_model import idle_request, nnls
 from bench.capacity_profile import CapacityProfile
 
 if TYPE_CHECKING:
-    from bench.capacity import CapacityConfig, Log
+    from bench.capacity_config import CapacityConfig, Log
 
 _START_LINE = re.compile(r"\(([0-9.]+)s to start\)")
 # A served prefill slower or faster than the in-process one by more than this is not

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from bench.capacity_model import DecodeFit, fit_decode, fit_line
 
 if TYPE_CHECKING:
-    from bench.capacity import CapacityConfig, Log
+    from bench.capacity_config import CapacityConfig, Log
 
 # A decode cell the fit misses by more than this is timed again, up to RETIME_ROUNDS times.
 OUTLIER = 0.10

@@ -31,7 +31,7 @@ import torch
 
 from engine.config_flags import add_flags, setting, values_from_args
 
-# The `small` preset's KV shape (engine/make_model.py, llama/small).
+# The `small` preset's KV shape (tools/make_model.py, llama/small).
 SMALL = {
     "model": "LlamaForCausalLM",
     "num_layers": 8,

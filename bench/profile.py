@@ -17,7 +17,7 @@ Lifecycle of a run (`profile_model`):
 
 These are the per-worker numbers the planner's sizing rule needs: prefill tokens/s against
 prompt length, and the decode step time against context length. Only engine/ is needed; the
-default model is the demo's cached `small` checkpoint (`engine.make_model.cached_model`).
+default model is the demo's cached `small` checkpoint (`tools.make_model.cached_model`).
 The flags are generated from `ProfileConfig`; `--model` (optional here) and `--out` are not
 config fields. `--capacity` runs bench/capacity.py instead (the planner's capacity profile).
 """
@@ -419,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         return run_capacity(args)
     model = args.model
     if model is None:
-        from engine.make_model import cached_model
+        from tools.make_model import cached_model
 
         model = str(cached_model(seed=args.seed))
     try:

@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts: where their model checkpoints are cached, the
 machine description, timing, and JSON output.
 
-The checkpoint comes from `engine.make_model.cached_model(arch, preset, cache_dir=CACHE_DIR)`
+The checkpoint comes from `tools.make_model.cached_model(arch, preset, cache_dir=CACHE_DIR)`
 (seeded random weights written as a real Hugging Face directory), so tandem and transformers
 load byte-identical weights. It is made once and cached under `benchmarks/.cache/` (ignored by
 the repository's .gitignore).

@@ -436,7 +436,7 @@ def build_meta(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine.config import ModelConfig
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     model = str(Path(args.model) if args.model else cached_model())
     mc = ModelConfig.from_pretrained(model)

@@ -125,7 +125,7 @@ def main() -> int:
 
 
 def _tiny_model(tmp: Path) -> Path:
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     return cached_model("llama", "tiny", 0, cache_dir=tmp / "models")
 

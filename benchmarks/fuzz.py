@@ -202,7 +202,7 @@ def remote_handoff(url: str, model: str) -> dict:
 
 
 def _start(model: str | None, served_name: str) -> LiveServer:
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     path = (
         Path(model)

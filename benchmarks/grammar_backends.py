@@ -14,7 +14,7 @@ For each case (a small object schema, a nested schema, a regex) and backend:
 Every walk also checks that each token of the output was allowed by the mask and accepted.
 Ratios are against llguidance measured in the same run. xgrammar and outlines-core are
 optional: a backend that does not import is reported as skipped. The tokenizer is
-`engine.make_model.build_tokenizer(vocab)`, a byte-level BPE trained on the tiny models'
+`tools.make_model.build_tokenizer(vocab)`, a byte-level BPE trained on the tiny models'
 corpus (the benchmark needs no download).
 """
 
@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from engine.make_model import build_tokenizer  # noqa: E402
 from engine.structured import GrammarCompiler  # noqa: E402
+from tools.make_model import build_tokenizer  # noqa: E402
 
 SMALL_SCHEMA = {
     "type": "object",

@@ -33,7 +33,7 @@ from benchmarks.common import (  # noqa: E402
     set_threads,
     write_json,
 )
-from engine.make_model import cached_model  # noqa: E402
+from tools.make_model import cached_model  # noqa: E402
 
 GOAL_VS_BATCHED = 2.0
 GOAL_VS_SINGLE = 8.0

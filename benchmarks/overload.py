@@ -407,7 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def start_server(args: argparse.Namespace) -> ServeSession:
     if args.model is None:
-        from engine.make_model import cached_model
+        from tools.make_model import cached_model
 
         args.model = str(cached_model("llama", "tiny", 0, cache_dir=CACHE_DIR))
     flags = ["--num-cpus", str(args.num_cpus), "--dtype", args.dtype]

@@ -5,7 +5,7 @@
 
 Random-weight checkpoints have near-flat next-token distributions, so any rounding flips
 near-ties; the checkpoints here are `cached_model(arch, "tiny", train_steps=N)`, trained until
-they memorise the embedded corpus (`engine/train_model.py`), so most positions are confident
+they memorise the embedded corpus (`tools/train_model.py`), so most positions are confident
 the way a trained model's are, and the off-corpus prompts add uncertain ones.
 
 Per arch and mode (bf16 = bfloat16 without quantization; fp8 = W8A8; fp8-weight-only; int8,
@@ -59,8 +59,8 @@ GREEDY_OFFSETS = (0, 450, 900, 1350)  # corpus token offsets of the 24-token gre
 def eval_prompts(tokenizer, quick: bool = False) -> dict[str, list[list[int]]]:
     """Teacher-forcing inputs: {"corpus": windows the model memorised, "off_corpus": prompts
     it never saw (pseudo-words of two seeds, the corpus's tokens shuffled)}."""
-    from engine.tokenizer_corpus import synthetic_words
-    from engine.train_model import corpus_token_ids
+    from tools.tokenizer_corpus import synthetic_words
+    from tools.train_model import corpus_token_ids
 
     ids = corpus_token_ids(tokenizer)
     windows = EVAL_WINDOWS[:2] if quick else EVAL_WINDOWS
@@ -81,7 +81,7 @@ def greedy_prompts(
     """Greedy-decoding prompts: {"corpus": 24 tokens at each of `GREEDY_OFFSETS` (the bound's
     prompts), "off_corpus": the first 24 tokens of each off-corpus teacher-forcing prompt
     (reported, not bounded)}."""
-    from engine.train_model import corpus_token_ids
+    from tools.train_model import corpus_token_ids
 
     ids = corpus_token_ids(tokenizer)
     offsets = GREEDY_OFFSETS[:2] if quick else GREEDY_OFFSETS
@@ -183,7 +183,7 @@ def greedy_metrics(ref: dict, got: dict) -> dict:
 
 def measure_arch(path: Path, qdtype: str = "float32", quick: bool = False) -> dict:
     """{"modes": {label: metrics}} for one checkpoint: every mode against its fp32 run."""
-    from engine.llm import load_tokenizer
+    from engine.model_info import load_tokenizer
 
     tok = load_tokenizer(str(path))
     prompts = eval_prompts(tok, quick)
@@ -304,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     info = machine_info(args.threads)
     isa = ", ".join(info["native_bf16_isa"]) or "no native bf16"

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import CACHE_DIR, log, machine_info, set_threads, write_json  # noqa: E402
-from engine.make_model import cached_model  # noqa: E402
+from tools.make_model import cached_model  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "quant_speed.json"
 QUANT_MODES = ("int8", "fp8", "fp8-weight-only")

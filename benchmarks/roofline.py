@@ -45,7 +45,7 @@ from benchmarks.common import (  # noqa: E402
     time_calls,
     write_json,
 )
-from engine.make_model import cached_model  # noqa: E402
+from tools.make_model import cached_model  # noqa: E402
 
 GOAL_DECODE_B1 = 0.60
 _TRIAL = itertools.count()

@@ -368,7 +368,7 @@ def open_session(args: argparse.Namespace) -> ServeSession:
     if args.url:
         return ServeSession.attach(args.url)
     if args.model is None:
-        from engine.make_model import cached_model
+        from tools.make_model import cached_model
 
         args.model = str(cached_model("llama", "tiny", 0, cache_dir=CACHE_DIR))
     flags = ["--num-cpus", str(args.num_cpus), "--dtype", args.dtype]

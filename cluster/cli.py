@@ -10,7 +10,7 @@ import sys
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("make-model",), "engine.make_model", "write a seeded random-weight HF checkpoint"),
+    (("make-model",), "tools.make_model", "write a seeded random-weight HF checkpoint"),
     (("serve",), "cluster.serve", "start the router and the worker pools on Ray"),
     (("demo",), "cluster.demo", "run the local end-to-end demo"),
     (("bench", "serve"), "bench.cli", "benchmark an OpenAI-compatible server"),

@@ -1,6 +1,6 @@
 """`tandem demo` (`make demo`): the whole system on this machine.
 
-Makes the `small` seeded-random Llama once (`engine.make_model.cached_model`, in the user's
+Makes the `small` seeded-random Llama once (`tools.make_model.cached_model`, in the user's
 cache), starts a local Ray cluster with one
 prefill and one decode actor behind the router, sends a mixed batch of requests through the
 real HTTP API (short prompts take the local-prefill path, long ones the disaggregated path;
@@ -123,7 +123,7 @@ async def _drive(url: str, n: int, seed: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from cluster.serve import Deployment, ServeSettings
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     t0 = time.perf_counter()
     model = Path(args.model) if args.model else cached_model(seed=args.seed)

@@ -1,8 +1,8 @@
 """The Ray actor that hosts one worker: an engine plus its serving loop.
 
 Ray only places, restarts and health-checks it; requests and tokens travel on the worker's
-own ZMQ sockets and KV on NIXL. `role` picks the loop: "prefill" (PrefillServer), "decode"
-(DecodeServer) or "colocated" (a plain EngineServer doing prefill and decode).
+own ZMQ sockets and KV on NIXL. `role` picks the loop's KV connector: "prefill"
+(prefill_server), "decode" (decode_server) or "colocated" (none: prefill and decode here).
 
 Each construction is one incarnation (a fresh id): Ray re-runs the constructor when it
 restarts a dead actor, so the controller tells a replacement from the worker it replaces by
@@ -55,21 +55,23 @@ class WorkerActor:
         quant = engine.quantization
         self.weights = quant if quant != "none" else engine.config.dtype
         if role == PREFILL:
-            from prefill_worker.server import PrefillServer
+            from prefill_worker.server import prefill_server
 
             agent = _agent(worker_id, engine, bind_host, (lease_seconds, read_timeout_s), faults)
-            self.server = PrefillServer(worker_id, engine, agent, bind_host, max_frame_bytes)
+            self.server = prefill_server(worker_id, engine, agent, bind_host, max_frame_bytes)
         elif role == DECODE:
-            from decode_worker.server import DecodeServer
+            from decode_worker.server import decode_server
 
             agent = _agent(worker_id, engine, bind_host, (lease_seconds, read_timeout_s), faults)
-            self.server = DecodeServer(
+            self.server = decode_server(
                 worker_id, engine, agent, bind_host, on_transfer_failure, max_frame_bytes
             )
         else:
             from engine.engine_server import EngineServer
 
-            self.server = EngineServer(worker_id, role, engine, bind_host, max_frame_bytes)
+            self.server = EngineServer(
+                worker_id, role, engine, bind_host=bind_host, max_frame_bytes=max_frame_bytes
+            )
         # Testing only: every engine step takes this much longer (long, killable streams).
         self.server.step_delay_s = float((faults or {}).get("step_delay_s", 0.0))
         # Everything allocated so far (model, tokenizer, imported modules) lives as long as
@@ -82,7 +84,7 @@ class WorkerActor:
         self.server.start()
 
     def info(self) -> dict:
-        agent = getattr(self.server, "agent", None)
+        agent = getattr(self.server.connector, "agent", None)
         return {
             "worker_id": self.worker_id,
             "role": self.role,
@@ -110,7 +112,7 @@ class WorkerActor:
 
     def set_peers(self, peers: dict[str, str]) -> bool:
         """The KV agents this worker may exchange blocks with: name -> current instance id."""
-        agent = getattr(self.server, "agent", None)
+        agent = getattr(self.server.connector, "agent", None)
         if agent is not None:
             agent.set_allowed_peers(dict(peers))
         return True

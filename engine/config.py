@@ -1,6 +1,7 @@
 """Model and engine configuration.
 
-`ModelConfig` reads a Hugging Face config.json through transformers' AutoConfig, so checkpoints
+`ModelConfig` reads a Hugging Face config.json through transformers' AutoConfig (the reader the
+router shares, engine/model_info.py, as it shares the context-window rule), so checkpoints
 written by transformers 4.x (`rope_scaling`, `rope_theta`) and 5.x (`rope_parameters`) both
 load; the rotary tables themselves come from the architecture's own HF rotary class (see
 `engine.models.rope`), which keeps every rope variant token-exact with the reference.
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.model_info import context_window, eos_token_ids, load_hf_config
 from engine.quantization.checkpoint import read_fp8_checkpoint
 
 SUPPORTED_ARCHITECTURES = (
@@ -81,12 +83,10 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
-        from transformers import AutoConfig
-
         path = str(path)
         if not Path(path, "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json (a local HF model directory)")
-        hf = AutoConfig.from_pretrained(path)
+        hf = load_hf_config(path)
         archs = getattr(hf, "architectures", None) or []
         arch = archs[0] if archs else ""
         num_heads = hf.num_attention_heads
@@ -98,7 +98,7 @@ class ModelConfig:
             hf, "use_sliding_window", False
         ):
             sliding = None
-        eos = _eos_ids(path, hf)
+        eos = eos_token_ids(path, hf)
         fp8 = read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
         return cls(
             path=path,
@@ -123,6 +123,11 @@ class ModelConfig:
             fp8_checkpoint=fp8,
         )
 
+    def context_window(self, max_model_len: int | None) -> int:
+        """The context window served: max_position_embeddings, lowered to `max_model_len` when
+        set; the router computes its limit with the same function."""
+        return context_window(self.hf_config, max_model_len, self.path)
+
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q = self.num_heads * self.head_dim
@@ -130,15 +135,3 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
-
-
-def _eos_ids(path: str, hf) -> tuple[int, ...]:
-    """EOS ids from generation_config.json when present (it may list several), else config."""
-    ids: list[int] = []
-    gen = Path(path, "generation_config.json")
-    if gen.is_file():
-        value = json.loads(gen.read_text()).get("eos_token_id")
-        ids += value if isinstance(value, list) else [value] if value is not None else []
-    value = getattr(hf, "eos_token_id", None)
-    ids += value if isinstance(value, list) else [value] if value is not None else []
-    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,4 +1,5 @@
-"""An engine behind ZMQ sockets: the loop every worker runs (no Ray, no NIXL here).
+"""An engine behind ZMQ sockets, composed with a KV connector: the one loop every worker runs
+(no Ray, no NIXL here).
 
 Lifecycle of one request: a `GenerateRequest` frame arrives on the PULL socket -> validated and
 added to the engine (a bad one is answered with an "error" TokenMessage at once) -> each engine
@@ -6,8 +7,15 @@ step's new tokens go out as `TokenMessage`s to the request's `reply_to` PUSH soc
 one carries `finish_reason` and the request is forgotten. `AbortRequest` drops it wherever it
 is, and so does the connection to its router dropping (the router died or restarted). Frames
 that are not valid msgpack, too large, or of an unknown type are logged and dropped; the loop
-keeps serving. Subclasses (the prefill and decode workers) add message types and
-per-iteration hooks for the KV hand-off.
+keeps serving.
+
+The role's KV hand-off is the connector's (`WorkerConnector`, below; the prefill and decode
+ones live in kv_transfer/): each frame is offered to it first, it runs before and after each
+engine step, it is asked first about an abort (it may own the request's blocks), and it adds
+its counters to the load report. A colocated worker runs with `NoConnector`. One iteration:
+
+    receive frames (connector.handle first) -> connector.before_step -> engine.step ->
+    publish tokens -> connector.after_step -> every 50 ms: load report, dropped routers
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.kv_connector import Handoff, KVConnector
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
 from engine.protocol import AbortRequest, GenerateRequest, Shutdown, TokenMessage, WorkerLoad
@@ -66,18 +76,142 @@ class ReplySockets:
         self._monitors.clear()
 
 
+class ConnectorHost(Protocol):
+    """What a connector may ask of the loop it is composed with (`EngineServer` is one)."""
+
+    worker_id: str
+    engine: LLMEngine
+
+    def stream(self, request_id: str, reply_to: str, num_choices: int) -> None:
+        """Stream `request_id`'s tokens from here to the router at `reply_to`."""
+        ...
+
+    def forget(self, request_id: str) -> None:
+        """Stop streaming `request_id` from here (it finished, failed, or went elsewhere)."""
+        ...
+
+    def send(self, endpoint: str, msg: Any) -> None: ...
+
+    def send_error(self, reply_to: str, request_id: str, message: str) -> None: ...
+
+    def publish(self, outputs: list[TokenOutput]) -> None: ...
+
+    def count_abort(self) -> None:
+        """An abort this worker honoured outside `EngineServer.abort` (the `aborts` counter)."""
+        ...
+
+
+class WorkerConnector(KVConnector, Protocol):
+    """A KV connector as the loop sees it; it is also the engine's `KVConnector`.
+
+    Per iteration: `handle(msg)` for each frame received (True: it took the frame; it may
+    also just look, as the decode side counts local prefills), `before_step()` (transfer
+    events: blocks released, reads landed or failed), the engine step (which calls
+    `on_prefilled` / `on_remote_admitted`), the step's tokens published, `after_step()` (what
+    must follow the tokens: the prefill side's KVReady frames). Between iterations:
+    `abort(rid)` is asked first, True while the connector owns the request's blocks and will
+    free them itself (else the engine aborts it); `abort_unknown(rid)` when neither knew the
+    id (its hand-off may still be on its way); `request_finished(rid)` after its last token;
+    `has_pending_work()` (transfers in flight: poll again soon), `holds_nothing()` (drain;
+    read from another thread), `extra_load()` (its counters in the load report), `close()`.
+    It reaches the loop back through `attach(host)`.
+
+    Tensor parallelism will create the byte-moving half (the agent) once per rank; the
+    decisions (which blocks, when to free, the failure policy) stay with the loop on rank 0.
+    """
+
+    # The engine role this connector serves, or None for any role that moves no KV.
+    role: str | None
+
+    def attach(self, host: ConnectorHost) -> None: ...
+
+    def handle(self, msg: Any) -> bool: ...
+
+    def before_step(self) -> None: ...
+
+    def after_step(self) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def abort_unknown(self, request_id: str) -> None: ...
+
+    def request_finished(self, request_id: str) -> None: ...
+
+    def has_pending_work(self) -> bool: ...
+
+    def holds_nothing(self) -> bool: ...
+
+    def extra_load(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class NoConnector:
+    """A colocated worker's connector: no KV moves, no frame is its own, nothing is held."""
+
+    role = None
+
+    def attach(self, host: ConnectorHost) -> None:
+        pass
+
+    def on_prefilled(self, handoff: Handoff) -> bool:
+        return False
+
+    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+        raise RuntimeError("a worker without a KV connector receives no KV")
+
+    def handle(self, msg: Any) -> bool:
+        return False
+
+    def before_step(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def abort(self, request_id: str) -> bool:
+        return False
+
+    def abort_unknown(self, request_id: str) -> None:
+        pass
+
+    def request_finished(self, request_id: str) -> None:
+        pass
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def holds_nothing(self) -> bool:
+        return True
+
+    def extra_load(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class EngineServer:
+    """The loop; see the module docstring. Satisfies `ConnectorHost` for its connector."""
+
     def __init__(
         self,
         worker_id: str,
         role: str,
         engine: LLMEngine,
+        connector: WorkerConnector | None = None,
         bind_host: str = "127.0.0.1",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ):
+        connector = NoConnector() if connector is None else connector
+        if connector.role is not None and connector.role != role:
+            raise ValueError(f"a {connector.role} connector cannot serve a {role} worker")
         self.worker_id = worker_id
         self.role = role
         self.engine = engine
+        self.connector = connector
+        if connector.role is not None:  # it moves KV: the engine calls it from its step
+            engine.set_kv_connector(connector)
         self.max_frame_bytes = max_frame_bytes
         self.ctx = zmq.Context()
         self.requests = self.ctx.socket(zmq.PULL)
@@ -100,10 +234,11 @@ class EngineServer:
         self._load_time = 0.0
         self._latest_load: WorkerLoad | None = None
         self.step_delay_s = 0.0  # fault injection (tests): sleep this long after each step
+        connector.attach(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._latest_load = self.load()  # built here: subclasses are fully set up by now
+        self._latest_load = self.load()
         self._thread = threading.Thread(
             target=self._serve, name=f"engine-{self.worker_id}", daemon=True
         )
@@ -119,6 +254,7 @@ class EngineServer:
         self.replies.close()
         self.requests.close(linger=0)
         self.ctx.term()
+        self.connector.close()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -136,9 +272,9 @@ class EngineServer:
         if unfinished and not self._stalled:
             timeout_ms = 0
         else:
-            timeout_ms = 1 if unfinished or self.has_pending_work() else 20
+            timeout_ms = 1 if unfinished or self.connector.has_pending_work() else 20
         self._receive(timeout_ms)
-        self.before_step()
+        self.connector.before_step()
         self._stalled = False
         if self.engine.has_unfinished():
             steps = self.engine.num_steps
@@ -146,7 +282,7 @@ class EngineServer:
             self._stalled = self.engine.num_steps == steps
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-        self.after_step()
+        self.connector.after_step()
         now = time.monotonic()
         if now - self._load_time > 0.05:
             self._load_time = now
@@ -179,6 +315,8 @@ class EngineServer:
                 log.exception("%s: failed to handle %s", self.worker_id, type(msg).__name__)
 
     def handle(self, msg) -> None:
+        if self.connector.handle(msg):
+            return
         if isinstance(msg, GenerateRequest):
             self.add_generate(msg)
         elif isinstance(msg, AbortRequest):
@@ -195,15 +333,21 @@ class EngineServer:
         except ValueError as e:
             self.send_error(msg.reply_to, msg.request_id, str(e))
             return
-        self.reply_to[msg.request_id] = msg.reply_to
-        self.open_choices[msg.request_id] = msg.sampling.n
+        self.stream(msg.request_id, msg.reply_to, msg.sampling.n)
 
     def abort(self, request_id: str) -> None:
-        """Drop a request; unknown ids are ignored (the router aborts both workers, and a
-        request may have finished already)."""
-        if self.engine.abort(request_id):
+        """Drop a request wherever it is. The connector is asked first: while it owns the
+        request's blocks (a lease, a READ in flight) it frees them itself, later. Ids nobody
+        knows are passed to the connector too (the router aborts both workers at once, so the
+        request may still be on its way here, or may have finished already)."""
+        if self.connector.abort(request_id) or self.engine.abort(request_id):
             self.num_aborts += 1
+        else:
+            self.connector.abort_unknown(request_id)
         self.forget(request_id)
+
+    def count_abort(self) -> None:
+        self.num_aborts += 1
 
     # -- output ------------------------------------------------------------------------------
     def publish(self, outputs: list[TokenOutput]) -> None:
@@ -219,19 +363,19 @@ class EngineServer:
                     self.finished(out.request_id)
 
     def token_message(self, out: TokenOutput) -> TokenMessage:
-        seq = self.engine.seqs.get(out.request_id)
-        return TokenMessage(
-            request_id=out.request_id,
-            index=out.index,
-            token_ids=out.token_ids,
-            finish_reason=out.finish_reason,
-            worker_id=self.worker_id,
-            prefill_worker_id=self.worker_id if out.index == 0 else "",
-            num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
-            choice=out.choice,
-            logprobs=out.logprobs,
-            prompt_logprobs=out.prompt_logprobs,
-        )
+        """The engine's record is the frame (a TokenMessage): add where it ran, then send it."""
+        out.worker_id = self.worker_id
+        if out.index == 0:
+            out.prefill_worker_id = self.worker_id
+        return out
+
+    def stream(self, request_id: str, reply_to: str, num_choices: int) -> None:
+        """Stream `request_id`'s tokens from here to `reply_to` until its choices finish."""
+        self.reply_to[request_id] = reply_to
+        self.open_choices[request_id] = num_choices
+
+    def send(self, endpoint: str, msg: Any) -> None:
+        self.replies.send(endpoint, msg)
 
     def forget(self, request_id: str) -> None:
         """Stop streaming `request_id` from here (it finished, failed, or went elsewhere)."""
@@ -241,6 +385,7 @@ class EngineServer:
     def finished(self, request_id: str) -> None:
         self.forget(request_id)
         self.engine.pop_finished(request_id)
+        self.connector.request_finished(request_id)
 
     def send_error(self, reply_to: str, request_id: str, message: str) -> None:
         self.replies.send(
@@ -286,22 +431,13 @@ class EngineServer:
             self.abort(rid)
 
     def is_idle(self) -> bool:
-        """Nothing in flight: no request in the engine or streaming from here, and nothing a
-        subclass holds (leases, READs). Read from another thread: a moment's view."""
-        return not self.engine.has_unfinished() and not self.reply_to and self.holds_nothing()
-
-    # -- hooks for subclasses ----------------------------------------------------------------
-    def has_pending_work(self) -> bool:
-        return False
-
-    def holds_nothing(self) -> bool:
-        return True
-
-    def before_step(self) -> None:
-        pass
-
-    def after_step(self) -> None:
-        pass
+        """Nothing in flight: no request in the engine or streaming from here, and nothing the
+        connector holds (leases, READs). Read from another thread: a moment's view."""
+        return (
+            not self.engine.has_unfinished()
+            and not self.reply_to
+            and self.connector.holds_nothing()
+        )
 
     # -- load report -------------------------------------------------------------------------
     def load(self) -> WorkerLoad:
@@ -315,7 +451,7 @@ class EngineServer:
             num_waiting=s["num_waiting"],
             queued_prefill_tokens=s["queued_prefill_tokens"],
             extra={
-                **self.extra_load(),
+                **self.connector.extra_load(),
                 "bad_frames": self.num_bad_frames,
                 "aborts": self.num_aborts,
                 "preemptions": s["num_preemptions"],
@@ -324,6 +460,3 @@ class EngineServer:
                 "time": time.time(),
             },
         )
-
-    def extra_load(self) -> dict:
-        return {}

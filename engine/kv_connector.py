@@ -1,8 +1,10 @@
-"""The engine's side of a KV hand-off between pools, as an interface the workers implement.
+"""A KV hand-off between pools: what the engine asks of a KV connector.
 
 The engine decides *when* and *which blocks* (one scheduler, one block pool, one admission
-policy); the worker decides *how the bytes move* (kv_transfer, NIXL). This is vLLM v1's split
-of a KV connector into a scheduler-side and a worker-side half, reduced to two calls:
+policy); the connector decides *how the bytes move* (kv_transfer, NIXL). This is vLLM v1's
+split of a KV connector into a scheduler-side and a worker-side half.
+
+`KVConnector`, the engine's two calls (engine/llm_engine.py, from inside `step`):
 
 - prefill role: when a request's prompt is done and its first token sampled (and it is not
   already finished), the engine marks it PREFILLED (its blocks stay allocated) and calls
@@ -15,6 +17,12 @@ of a KV connector into a scheduler-side and a worker-side half, reduced to two c
   `on_remote_admitted(request_id, block_ids)`. The connector fills those blocks and then calls
   `LLMEngine.commit_remote` (the KV landed), `LLMEngine.recompute_remote` (it did not: prefill
   the prompt here) or `LLMEngine.abort`.
+
+The serving loop's half of the same object (`WorkerConnector`: the frames it owns, the hooks
+around each step, aborts, drain, load counters) and `NoConnector` (colocated workers) are in
+engine/engine_server.py, beside the loop that calls them; the prefill and decode connectors
+are in kv_transfer/. What the loop used to read from `LLMEngine.seqs` the engine now reports:
+`TokenOutput.num_cached_tokens`, and `LLMEngine.abort` returning whether it knew the id.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ class Handoff:
 
 
 class KVConnector(Protocol):
+    """The engine's side: the scheduler calls these from inside `LLMEngine.step`."""
+
     def on_prefilled(self, handoff: Handoff) -> bool:
         """Prefill role: hold `handoff.block_ids` for a peer. False: refuse (blocks freed)."""
         ...

@@ -2,56 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from pathlib import Path
+import os
+from typing import Any
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.model_info import load_tokenizer
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 
-def load_tokenizer(model: str):
-    """The model directory's tokenizer, or None when it has none."""
-    if not any(Path(model, f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
+def engine_config(model: str | os.PathLike, settings: dict[str, Any]) -> EngineConfig:
+    """`EngineConfig(model, **settings)`, with a TypeError naming every unknown setting."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise TypeError(
+            f"LLM() got unknown settings {', '.join(map(repr, unknown))}; "
+            f"EngineConfig's are: {', '.join(sorted(known))}"
+        )
+    return EngineConfig(model=str(model), **settings)
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "bfloat16",
-        load_format: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        attention_backend: str = "auto",
-        seed: int = 0,
-        **kwargs,
-    ):
-        self.engine = LLMEngine(
-            EngineConfig(
-                model=str(model),
-                dtype=dtype,
-                load_format=load_format,
-                block_size=block_size,
-                num_kv_blocks=num_kv_blocks,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_prefix_caching=enable_prefix_caching,
-                enable_chunked_prefill=enable_chunked_prefill,
-                attention_backend=attention_backend,
-                seed=seed,
-                **kwargs,
-            )
-        )
+    """`settings` are `EngineConfig`'s fields (engine/llm_engine.py: what `tandem serve`'s
+    engine flags set), each with EngineConfig's default when not given."""
+
+    def __init__(self, model: str | os.PathLike, **settings: Any):
+        self.engine = LLMEngine(engine_config(model, settings))
         self.tokenizer = load_tokenizer(str(model))
         self._ids = itertools.count()
 

@@ -104,7 +104,7 @@ class LLMEngine:
         self.device = torch.device(
             config.device or ("cuda" if torch.cuda.is_available() else "cpu")
         )
-        self.max_model_len = min(config.max_model_len or mc.max_position, mc.max_position)
+        self.max_model_len = mc.context_window(config.max_model_len)
         torch.manual_seed(config.seed)
         # The layout the weights get ("none", "int8", "fp8", "fp8-weight-only").
         fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
@@ -216,7 +216,7 @@ class LLMEngine:
     def grammars(self):
         """The structured-output compiler, built on first use (it needs the tokenizer)."""
         if self._grammars is None:
-            from engine.llm import load_tokenizer
+            from engine.model_info import load_tokenizer
             from engine.structured import GrammarCompiler
 
             tokenizer = load_tokenizer(self.config.model)
@@ -310,7 +310,10 @@ class LLMEngine:
             reason = self._finish_reason(s, s.token_ids[-1])
             if reason is not None:
                 self._finish(s, reason)
-                done.append(TokenOutput(request_id, s.num_output_tokens, [], reason, s.choice))
+                n, cached = s.num_output_tokens, s.num_cached_tokens
+                done.append(
+                    TokenOutput(request_id, n, [], reason, s.choice, num_cached_tokens=cached)
+                )
         return done
 
     def recompute_remote(self, request_id: str) -> None:
@@ -441,7 +444,14 @@ class LLMEngine:
             prompt_logprobs = seq.prompt_logprobs
         reason = self._finish_reason(seq, token)
         return TokenOutput(
-            seq.group_id, index, [token], reason, seq.choice, logprobs, prompt_logprobs
+            seq.group_id,
+            index,
+            [token],
+            reason,
+            seq.choice,
+            logprobs,
+            prompt_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _end_prefill(

@@ -1,30 +1,15 @@
 """What the engine hands back: whole results for offline `LLM.generate`, and the per-step token
-increments that the serving path streams (one `TokenOutput` per request per step)."""
+increments that the serving path streams: one `TokenOutput` per request choice per step, which
+is the wire record itself (`engine.protocol.TokenMessage`), so the engine server only fills in
+where it ran and sends it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.protocol import TokenMessage
 
-@dataclass(slots=True)
-class TokenOutput:
-    """New tokens of one request from one engine step.
-
-    `index` is the position in the output of `token_ids[0]`; the router reorders by it because
-    the first token (from prefill) and the rest (from decode) arrive on different sockets.
-    `finish_reason` is None while the request runs, else "stop", "length" or "abort".
-    `choice` is which of the request's n choices the tokens belong to. `logprobs` (when asked)
-    holds one `(logprob, rank, [(token id, logprob), ...top])` per token; `prompt_logprobs`
-    comes with the first token (index 0) of choice 0 when asked.
-    """
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None = None
-    choice: int = 0
-    logprobs: list | None = None
-    prompt_logprobs: list | None = None
+TokenOutput = TokenMessage  # the engine's name for it: request_id, index, token_ids, ...
 
 
 @dataclass(slots=True)

@@ -4,6 +4,8 @@ Request path: the router sends `PrefillRequest` to a prefill worker (disaggregat
 `GenerateRequest` to a decode worker (local prefill). Every worker streams `TokenMessage`s to
 the router's `reply_to` endpoint; each carries the request id and the output index of its first
 token so the router can merge the first token (from prefill) with the rest (from decode).
+A `TokenMessage` is also what the engine's step returns (`engine.outputs.TokenOutput` is this
+class): the engine server fills in the worker fields and sends that same record.
 `AbortRequest` goes to whichever worker may hold the request. The KV hand-off messages between
 prefill and decode workers live in `kv_transfer`.
 """
@@ -11,140 +13,88 @@ prefill and decode workers live in `kv_transfer`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-from engine.sampling_params import SamplingParams
-from engine.wire import message
+from msgspec import Meta
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, TokenId
+from engine.wire import Frame, message
+
+MAX_IDS = 1 << 20  # token or block ids in one message: a 1M-token prompt fits
+Name = Annotated[str, Meta(min_length=1, max_length=256)]  # request and worker ids
+RequestId = Name
+Endpoint = Annotated[str, Meta(min_length=1, max_length=256, pattern="://")]  # a ZMQ endpoint
+TokenIds = Annotated[list[TokenId], Meta(max_length=MAX_IDS)]
+PromptIds = Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_IDS)]
+Count = Annotated[int, Meta(ge=0)]
+# (logprob, rank (1: the most likely), [(token id, logprob), ...top]): engine.sampler's entry.
+TopLogprobs = Annotated[list[tuple[TokenId, float]], Meta(max_length=MAX_LOGPROBS)]
+LogprobEntry = tuple[float, Annotated[int, Meta(ge=1)], TopLogprobs]
 
 
-def _check_ids(name: str, ids: list[int]) -> None:
-    if not isinstance(ids, list) or any(
-        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids
-    ):
-        raise ValueError(f"{name} must be a list of non-negative ints")
-
-
-def _check_rid(rid: str) -> None:
-    if not isinstance(rid, str) or not rid or len(rid) > 256:
-        raise ValueError("request_id must be a non-empty string of at most 256 chars")
-
-
-def _check_request(msg) -> None:
+class _Request(Frame):
     """Fields every request to a worker carries."""
-    _check_rid(msg.request_id)
-    _check_ids("prompt_token_ids", msg.prompt_token_ids)
-    if not msg.prompt_token_ids:
-        raise ValueError("prompt_token_ids must not be empty")
-    if not isinstance(msg.sampling, SamplingParams):
-        raise ValueError("sampling must be SamplingParams")
-    if not isinstance(msg.reply_to, str) or "://" not in msg.reply_to:
-        raise ValueError("reply_to must be a ZMQ endpoint")
+
+    request_id: RequestId
+    prompt_token_ids: PromptIds
+    sampling: SamplingParams
+    reply_to: Endpoint  # ZMQ endpoint of the router's token sink
 
 
 @message("generate")
-@dataclass(slots=True)
-class GenerateRequest:
+class GenerateRequest(_Request):
     """Whole request for one worker: prefill and decode both run there (local prefill)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    reply_to: str  # ZMQ endpoint of the router's token sink
-
-    def __post_init__(self) -> None:
-        _check_request(self)
 
 
 @message("prefill")
-@dataclass(slots=True)
-class PrefillRequest:
+class PrefillRequest(_Request):
     """Prefill on a prefill worker, then hand the KV to `decode_worker_id`."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    reply_to: str
-    decode_worker_id: str
-    decode_endpoint: str  # where the prefill worker sends the KV hand-off
-
-    def __post_init__(self) -> None:
-        _check_request(self)
-
-
-def _check_logprob_entry(name: str, entry) -> None:
-    """[logprob, rank, [[token id, logprob], ...]] (engine.sampler.token_logprobs)."""
-    if not isinstance(entry, list | tuple) or len(entry) != 3:
-        raise ValueError(f"{name} entries must be [logprob, rank, top]")
-    lp, rank, top = entry
-    if isinstance(lp, bool) or not isinstance(lp, int | float):
-        raise ValueError(f"{name}: logprob must be a number")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{name}: rank must be a positive int")
-    if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS:
-        raise ValueError(f"{name}: top must be a list of at most {MAX_TOP_LOGPROBS}")
-    for pair in top:
-        if not isinstance(pair, list | tuple) or len(pair) != 2 or isinstance(pair[0], bool):
-            raise ValueError(f"{name}: top entries must be [token id, logprob]")
-
-
-MAX_TOP_LOGPROBS = 20
+    decode_worker_id: Name
+    decode_endpoint: Endpoint  # where the prefill worker sends the KV hand-off
 
 
 @message("tokens")
-@dataclass(slots=True)
-class TokenMessage:
-    request_id: str
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+class TokenMessage(Frame):
+    """New tokens of one choice of one request from one engine step.
+
+    `index` is the position in the output of `token_ids[0]`; the router reorders by it because
+    the first token (from prefill) and the rest (from decode) arrive on different sockets.
+    `logprobs` (when asked) holds one entry per token; `prompt_logprobs` comes with the first
+    token (index 0) of choice 0 when asked (its first entry is None: nothing predicts it).
+    """
+
+    # The engine fills these (positionally, in this order), the engine server the rest.
+    request_id: RequestId
+    index: Count
+    token_ids: TokenIds
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    choice: Count = 0  # which of the request's n choices
+    logprobs: list[LogprobEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    num_cached_tokens: Count = 0  # prefix-cache hits at admission
     error: str | None = None
     worker_id: str = ""
     prefill_worker_id: str = ""  # set on the first token: where the prefill ran
-    num_cached_tokens: int = 0
-    choice: int = 0  # which of the request's n choices
-    logprobs: list | None = None  # one entry per token in token_ids, when asked
-    prompt_logprobs: list | None = None  # with index 0 of choice 0, when asked (first is None)
     # From a decode worker, no tokens: "I took this request over from its prefill worker"
     # (its KV hand-off is queued here; a lost prefill worker is now this worker's business).
     handoff: bool = False
 
-    def __post_init__(self) -> None:
-        _check_rid(self.request_id)
-        _check_ids("token_ids", self.token_ids)
-        if not isinstance(self.handoff, bool):
-            raise ValueError("handoff must be a bool")
+    def check(self) -> None:
         if self.handoff and (self.token_ids or self.finish_reason is not None):
             raise ValueError("a handoff message carries no tokens and no finish_reason")
-        for name in ("index", "choice", "num_cached_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative int")
-        if self.finish_reason not in (None, "stop", "length", "abort", "error"):
-            raise ValueError(f"bad finish_reason {self.finish_reason!r}")
-        if self.logprobs is not None:
-            if not isinstance(self.logprobs, list) or len(self.logprobs) != len(self.token_ids):
-                raise ValueError("logprobs must hold one entry per token")
-            for entry in self.logprobs:
-                _check_logprob_entry("logprobs", entry)
-        if self.prompt_logprobs is not None:
-            if not isinstance(self.prompt_logprobs, list):
-                raise ValueError("prompt_logprobs must be a list")
-            for entry in self.prompt_logprobs[1:]:
-                _check_logprob_entry("prompt_logprobs", entry)
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError("logprobs must hold one entry per token")
 
 
 @message("abort")
-@dataclass(slots=True)
-class AbortRequest:
-    request_id: str
+class AbortRequest(Frame):
+    request_id: RequestId
     reason: str = "client disconnected"
-
-    def __post_init__(self) -> None:
-        _check_rid(self.request_id)
 
 
 @message("shutdown")
-@dataclass(slots=True)
-class Shutdown:
+class Shutdown(Frame):
     reason: str = ""
 
 

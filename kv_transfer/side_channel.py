@@ -38,7 +38,7 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
@@ -52,11 +52,44 @@ from kv_transfer.messages import Abort, ErrorReply, Hello, HelloReply, Renew, Re
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from kv_transfer.errors import PeerNotAllowedError
     from kv_transfer.nixl import NotifBatch
-    from kv_transfer.receiver import Receiver
-    from kv_transfer.sender import LeaseTable
 
 log = logging.getLogger(__name__)
+
+
+# What the thread calls on the agent's other parts, as structural types: `sender.LeaseTable`
+# and `receiver.Receiver` satisfy them, and this module imports neither (the receiver imports
+# this one, so naming it here would close an import cycle).
+class LeaseSide(Protocol):
+    def on_notifs(self, notifs: NotifBatch) -> None: ...
+
+    def refusal(self, name: str, instance_id: str) -> PeerNotAllowedError | None: ...
+
+    def add_reader(
+        self, identity: bytes, name: str, instance_id: str
+    ) -> PeerNotAllowedError | None: ...
+
+    def reader_name(self, identity: bytes) -> str | None: ...
+
+    def on_renew(self, identity: bytes, renew: Renew) -> RenewReply: ...
+
+    def on_abort(self, identity: bytes, abort: Abort) -> None: ...
+
+    def any_pinned(self) -> bool: ...
+
+    def take_outgoing(self) -> list[tuple[bytes, Any]]: ...
+
+
+class ReadSide(Protocol):
+    def busy(self) -> bool: ...
+
+    def on_frames(self, name: str, sock: zmq.Socket, frames: list[Any]) -> None: ...
+
+    def beat(self, now: float) -> None: ...
+
+    def take_outgoing(self) -> list[tuple[zmq.Socket, Any]]: ...
+
 
 _HANDSHAKE_BUSY_S = 5.0  # after a handshake the new pair's UCX wire-up needs our progress
 _MAX_FRAMES_PER_ROUND = 256  # per socket, so other sockets and timers get their turn
@@ -71,8 +104,8 @@ class SideChannel:
     # Set by start(): what the thread serves.
     _compat: Compat
     _welcome: HelloReply
-    _sender: LeaseTable
-    _receiver: Receiver
+    _sender: LeaseSide
+    _receiver: ReadSide
     _take_notifs: Callable[[bool], NotifBatch]
     _on_renew: Callable[[bytes, Renew], RenewReply | None]
 
@@ -108,8 +141,8 @@ class SideChannel:
         self,
         compat: Compat,
         welcome: HelloReply,
-        sender: LeaseTable,
-        receiver: Receiver,
+        sender: LeaseSide,
+        receiver: ReadSide,
         take_notifs: Callable[[bool], NotifBatch],
         faults: FaultPlan | None = None,
     ) -> None:

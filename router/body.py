@@ -1,11 +1,12 @@
-"""Reading a request body as JSON, with every way it can be hostile turned into a 4xx.
+"""Reading a request body's bytes, with every way they can be hostile before parsing a 4xx.
 
 - too slow (a slow-loris client dribbling bytes): 408 once `timeout_s` passes;
 - over the app's size limit: aiohttp's 413 (the error middleware words it);
-- not JSON, not UTF-8, integers longer than Python parses, nesting deeper than it recurses:
-  400 `invalid_json`;
 - a lone UTF-16 surrogate in any string (valid JSON, `"\\ud800"`, but not text a tokenizer or a
-  response can carry): 400 naming where it is.
+  response can carry): 400 `invalid_unicode` naming where it is.
+
+The bytes then go to a pydantic model (router/protocol.py), whose JSON parser refuses what is
+not JSON, not UTF-8, or nested too deep (400 `invalid_json`).
 """
 
 from __future__ import annotations
@@ -22,21 +23,23 @@ from router.errors import APIError
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-async def read_json(request: web.Request, timeout_s: float) -> Any:
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The body's bytes, read within `timeout_s` and free of lone surrogates."""
     try:
         raw = await asyncio.wait_for(request.read(), timeout_s)
     except TimeoutError as e:
         raise APIError(
             408, f"the request body did not arrive within {timeout_s:g}s", code="body_timeout"
         ) from e
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, digits
-        message = f"request body is not valid JSON: {e}"[:500]
-        raise APIError(400, message, code="invalid_json") from e
     # Valid UTF-8 cannot hold a surrogate: only a \uD800-\uDFFF escape makes one, so only a
-    # body with such an escape is walked (a paired one is fine, and found fine).
-    where = surrogate_path(body) if _SURROGATE_ESCAPE.search(raw) else None
+    # body with such an escape is parsed here and walked (a paired one is fine, and found fine;
+    # a body that is not JSON is left to the model's parser to refuse).
+    if not _SURROGATE_ESCAPE.search(raw):
+        return raw
+    try:
+        where = surrogate_path(json.loads(raw))
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, digits
+        return raw
     if where is not None:
         raise APIError(
             400,
@@ -44,7 +47,7 @@ async def read_json(request: web.Request, timeout_s: float) -> Any:
             param=where.split("[")[0].split(".")[0] or None,
             code="invalid_unicode",
         )
-    return body
+    return raw
 
 
 def surrogate_path(value: Any) -> str | None:

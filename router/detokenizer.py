@@ -9,20 +9,67 @@ before it and `stopped` becomes True; the caller then aborts the request on the 
 Each step decodes only a short window (vLLM's prefix/read offsets: the new text is
 `decode(ids[prefix:]) - decode(ids[prefix:read])`, so a tokenizer that strips or merges
 leading spaces sees the same context either way), which keeps a step O(1) in the output length.
+The window is stepped by `tokenizers.decoders.DecodeStream` (what vLLM v1 uses: the same
+offsets in Rust, one decode per step instead of two) whenever the tokenizer's `decode` is
+exactly its Rust decode (a Hugging Face fast tokenizer without the clean-up of spaces);
+otherwise, and for the rest of a request once the stream refuses a step (the window's decode
+rewrote its own start), each step decodes the window in Python with `tokenizer.decode`. Both
+give the same pieces. No prompt context is used: the first output token is decoded alone.
 `finish()` decodes all ids once and hands out the rest of `tokenizer.decode(all_ids,
 skip_special_tokens=True)`, so the pieces add up to exactly the one-shot decode whenever the
 windowed text was a prefix of it (always, for byte-level BPE; a tokenizer that rewrites earlier
-text, e.g. space clean-up, is logged once).
+text, e.g. space clean-up, is logged once). That is also where a final incomplete UTF-8
+sequence comes out (as U+FFFD, as the one-shot decode renders it).
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
+# Fast-tokenizer classes whose decode is the Rust decode plus the optional clean-up of spaces
+# (transformers 5, then 4); looked up only if the tokenizer's module is already loaded, since
+# importing transformers loads torch.
+_PLAIN_DECODE_CLASSES = (
+    ("transformers.tokenization_utils_tokenizers", "TokenizersBackend"),
+    ("transformers.tokenization_utils_fast", "PreTrainedTokenizerFast"),
+)
+
+
+def _cleans_up_spaces(tokenizer: Any) -> bool:
+    """Whether `tokenizer.decode` rewrites spaces after the Rust decode."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    # transformers 5 skips the clean-up for BPE models unless forced; 4 has no such flag.
+    force = getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", None
+    )
+    if force is None or force:
+        return True
+    return type(tokenizer.backend_tokenizer.model).__name__ != "BPE"
+
+
+def stream_backend(tokenizer: Any) -> Tokenizer | None:
+    """The Rust tokenizer a `DecodeStream` can step for `tokenizer`, when `tokenizer.decode(ids,
+    skip_special_tokens=s)` is exactly its `decode(ids, s)`; None otherwise."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        return None
+    cls = type(tokenizer)
+    for module, name in _PLAIN_DECODE_CLASSES:
+        base = getattr(sys.modules.get(module), name, None)
+        if base is None or not isinstance(tokenizer, base):
+            continue
+        if cls.decode is base.decode and cls._decode is base._decode:
+            return None if _cleans_up_spaces(tokenizer) else backend
+    return None
 
 
 class IncrementalDetokenizer:
@@ -45,6 +92,10 @@ class IncrementalDetokenizer:
         self._text = ""  # windowed decode of token_ids[:_read]
         self._prefix = 0
         self._read = 0
+        self._backend = stream_backend(tokenizer)
+        self._stream: DecodeStream | None = None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._scanned = 0  # self._text[:_scanned] holds no complete stop string
 
     def _decode(self, ids: list[int]) -> str:
@@ -84,16 +135,39 @@ class IncrementalDetokenizer:
             self._scanned = len(text)
         return self._emit_until(text, len(text) - self._held_back(text))
 
-    def add(self, token_ids: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.token_ids.extend(token_ids)
+    def _step(self, token_ids: list[int]) -> str | None:
+        """The window's new text once `token_ids` are appended (None: nothing complete yet),
+        moving the offsets past it."""
+        if self._stream is not None:
+            try:
+                # One id alone steps faster than a list of one.
+                step = token_ids[0] if len(token_ids) == 1 else list(token_ids)
+                piece = self._stream.step(self._backend, step)
+            except Exception:
+                # The stream checks that the window's decode still starts with what it handed
+                # out (the Python step does not): the Python step takes over for good.
+                self._stream = None
+            else:
+                if piece is not None:
+                    self._prefix, self._read = self._read, len(self.token_ids)
+                return piece
         ids = self.token_ids
         before = self._decode(ids[self._prefix : self._read])
         after = self._decode(ids[self._prefix :])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
-            self._text += after[len(before) :]
             self._prefix, self._read = self._read, len(ids)
+            return after[len(before) :]
+        return None
+
+    def add(self, token_ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        if not token_ids:
+            return ""  # nothing new: the window's decode is what the last step saw
+        self.token_ids.extend(token_ids)
+        piece = self._step(token_ids)
+        if piece:
+            self._text += piece
         return self._advance(self._text)
 
     def finish(self) -> str:

@@ -1,32 +1,33 @@
-"""OpenAI request parsing and validation: JSON body -> `ParsedRequest` (or an `APIError` 4xx).
+"""OpenAI request bodies -> `ParsedRequest` (or an `APIError` 4xx), in two steps.
 
-Every check that can fail on client input happens here, before anything is sent to a worker,
-so a bad request costs no worker time and can never surface as a 5xx. Which fields exist and
-the shared sampling / structured-output checks are in router/request_fields.py.
+1. The body's bytes are validated by its model (router/protocol.py: types, bounds, token ids,
+   the rules across fields; `protocol.api_error` picks the one error a client is told).
+2. `RequestParser` converts the model with what only the served model knows: the tokenizer
+   and chat template, the context window, generation_config.json's sampling defaults
+   (temperature, top_p, top_k, min_p, repetition_penalty, as vLLM applies them, then OpenAI's),
+   and the structured-output compiler. Every check that can fail on client input happens in
+   these two steps, so a bad request costs no worker time and never surfaces as a 5xx.
 
-Sampling defaults come from the model's generation_config.json (temperature, top_p, top_k,
-min_p, repetition_penalty), as vLLM applies them, then OpenAI's.
-
-Defaults (as vLLM): `max_tokens` absent -> 16 for /v1/completions (the OpenAI legacy default),
-capped by the room left in the context window; for /v1/chat/completions the whole room left
-(`max_model_len - prompt_tokens`). An explicit value must be >= 1 and fit in the window together
-with the prompt; chat's `max_completion_tokens` wins over `max_tokens`.
+`max_tokens` (as vLLM): absent -> 16 for /v1/completions (OpenAI's legacy default), capped by the
+room left in the window; for /v1/chat/completions the whole room left. An explicit value must
+fit in the window with the prompt; chat's `max_completion_tokens` wins over `max_tokens`.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from router import request_fields as rf
-from router.errors import bad_request
-from router.request_fields import is_int as _is_int
+from pydantic import ValidationError
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"}
+from engine.sampling_params import SamplingParams
+from router.errors import api_error, bad_request
+from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()  # unknown field names already logged
 
 
 @dataclass(slots=True)
@@ -57,6 +58,16 @@ class ParsedRequest:
             self.prompts = [self.prompt_ids]
 
 
+def validate(model: type, body: bytes | dict, limits: Limits) -> Any:
+    """`body` (request bytes, or an already parsed dict) as `model`, or the APIError."""
+    try:
+        if isinstance(body, bytes | str):
+            return model.model_validate_json(body, context=limits)
+        return model.model_validate(body, context=limits)
+    except ValidationError as e:
+        raise api_error(e) from None
+
+
 class RequestParser:
     """Turns request bodies into `ParsedRequest`s for one model (tokenizer + limits)."""
 
@@ -75,6 +86,7 @@ class RequestParser:
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.limits = Limits(served_model_name, vocab_size, max_model_len)
         self.completion_default_max_tokens = completion_default_max_tokens
         self.defaults = dict(generation_defaults or {})
         # Compiles a structured-output spec (raises ValueError naming the problem) so a bad
@@ -89,241 +101,131 @@ class RequestParser:
             longest = 0
         self.max_prompt_chars = 2 * max_model_len * longest if longest else None
 
-    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens, and "
-                f"the {param} ({len(text)} characters) is far longer than that.",
-                param,
-                code="context_length_exceeded",
-            )
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    # ------------------------------------------------------------------ entry points
-
-    def parse_completion(self, body: Any) -> ParsedRequest:
-        body = self._check_common(body, rf.COMPLETION_FIELDS)
-        if "prompt" not in body or body["prompt"] is None:
-            raise bad_request("'prompt' is required", param="prompt", code="missing_required")
-        add_special = rf.optional_bool(body, "add_special_tokens", True)
-        prompts = self._completion_prompts(body["prompt"], add_special)
-        echo = rf.optional_bool(body, "echo", False)
-        logprobs = rf.count(body, "logprobs", None, 0, rf.MAX_LOGPROBS)
-        if body.get("logprobs") is False:
-            logprobs = None
+    def parse_completion(self, body: bytes | dict) -> ParsedRequest:
+        req: CompletionRequest = validate(CompletionRequest, body, self.limits)
+        add_special = req.add_special_tokens is not False
+        prompts = [
+            list(p) if isinstance(p, list) else self._tokenize(p, "prompt", add_special)
+            for p in req.prompt
+        ]
+        echo_only = bool(req.echo) and req.max_tokens == 0
         longest = max(len(p) for p in prompts)
-        echo_only = echo and body.get("max_tokens") == 0
-        names = () if echo_only else ("max_tokens",)
         max_tokens = self._max_tokens(
-            body, names, longest, default_cap=self.completion_default_max_tokens
+            req, () if echo_only else ("max_tokens",), longest, self.completion_default_max_tokens
         )
-        parsed = self._build("completion", body, prompts, max_tokens, logprobs)
-        parsed.echo, parsed.echo_only = echo, echo_only
-        best_of = rf.count(body, "best_of", None, 1, rf.MAX_N)
-        if best_of is not None:
-            self._best_of(parsed, best_of)
-        if echo and logprobs is not None:
-            parsed.sampling = replace(parsed.sampling, prompt_logprobs=logprobs)
+        engine: dict[str, Any] = {}
+        if req.best_of is not None and req.best_of > req.n:
+            # Sample best_of, answer the n with the highest cumulative logprob (every choice
+            # reports its logprobs to rank them).
+            engine = {"n": req.best_of, "logprobs": req.logprobs or 0}
+        if req.echo and req.logprobs is not None:
+            engine["prompt_logprobs"] = req.logprobs
+        parsed = self._build("completion", req, prompts, max_tokens, req.logprobs, engine)
+        parsed.echo, parsed.echo_only = bool(req.echo), echo_only
         return parsed
 
-    def _best_of(self, parsed: ParsedRequest, best_of: int) -> None:
-        """best_of: sample best_of choices, answer the n with the highest cumulative logprob
-        (the engine's n is best_of; every choice reports its logprobs to rank them)."""
-        if best_of < parsed.n:
-            raise bad_request(f"best_of ({best_of}) must be >= n ({parsed.n})", "best_of")
-        if best_of > parsed.n and parsed.stream:
-            raise bad_request("best_of > n cannot be streamed", "best_of")
-        if best_of > parsed.n:
-            sp = parsed.sampling
-            parsed.sampling = replace(sp, n=best_of, logprobs=sp.logprobs or 0)
-
-    def parse_chat(self, body: Any) -> ParsedRequest:
-        body = self._check_common(body, rf.CHAT_FIELDS)
-        if "messages" not in body or body["messages"] is None:
-            raise bad_request("'messages' is required", param="messages", code="missing_required")
-        messages = self._chat_messages(body["messages"])
-        tools, tool_choice = self._tools(body)
-        prompt_ids = self._apply_chat_template(messages, body, tools)
+    def parse_chat(self, body: bytes | dict) -> ParsedRequest:
+        req: ChatCompletionRequest = validate(ChatCompletionRequest, body, self.limits)
+        prompt_ids = self._render(req)
         names = ("max_completion_tokens", "max_tokens")
-        max_tokens = self._max_tokens(body, names, len(prompt_ids), default_cap=None)
-        logprobs = None
-        top = rf.count(body, "top_logprobs", None, 0, rf.MAX_LOGPROBS)
-        if rf.optional_bool(body, "logprobs", False):
-            logprobs = top or 0
-        elif top is not None:
-            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-        parsed = self._build("chat", body, [prompt_ids], max_tokens, logprobs, tools, tool_choice)
-        if rf.optional_bool(body, "echo", False) and messages[-1]["role"] == "assistant":
-            parsed.extra["echo_text"] = messages[-1]["content"]
+        max_tokens = self._max_tokens(req, names, len(prompt_ids), None)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        parsed = self._build("chat", req, [prompt_ids], max_tokens, logprobs)
+        if req.echo and req.messages[-1].role == "assistant":
+            parsed.extra["echo_text"] = req.messages[-1].text()
         return parsed
 
     def chat_prompt_ids(self, body: dict) -> list[int]:
         """The prompt a chat body renders to (for /tokenize)."""
-        messages = self._chat_messages(body.get("messages"))
-        tools, _ = self._tools(body)
-        return self._apply_chat_template(messages, body, tools)
+        return self._render(validate(ChatCompletionRequest, body, self.limits))
 
-    def _tools(self, body: dict) -> tuple[list | None, Any]:
-        from router.tools import validate_tools
-
-        tools, choice = body.get("tools"), body.get("tool_choice")
-        if tools is not None and not isinstance(tools, list):  # 0, false, "", {}: refused
-            raise bad_request(f"tools must be a list, got {type(tools).__name__}", "tools")
-        if not tools:
-            if choice not in (None, "none", "auto"):
-                raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
-            return None, None
-        try:
-            validate_tools(tools, choice)
-        except ValueError as e:
-            param = "tool_choice" if "tool_choice" in str(e) else "tools"
-            raise bad_request(str(e), param) from e
-        return tools, "auto" if choice is None else choice
-
-    # ------------------------------------------------------------------ shared checks
-
-    def _check_common(self, body: Any, known: set[str]) -> dict:
-        body = rf.check_body_and_model(body, self.served_model_name)
-        rf.refuse_unsupported(body)
-        body = dict(body)
-        body["_ignored"] = rf.unknown_fields(body, known)
-        return body
+    # ------------------------------------------------------------------ conversion
 
     def _build(
         self,
         kind: str,
-        body: dict,
+        req: CompletionRequest | ChatCompletionRequest,
         prompts: list[list[int]],
         max_tokens: int,
         logprobs: int | None,
-        tools: list | None = None,
-        tool_choice: Any = None,
+        engine: dict[str, Any] | None = None,
     ) -> ParsedRequest:
-        # Checks run in a fixed order so a body with several mistakes always names the same one.
-        n = rf.count(body, "n", 1, 1, rf.MAX_N)
-        sampling = self._sampling_fields(body)
-        structured = self._structured(body, tools, tool_choice)
-        stop = self._stop_strings(body.get("stop"))
-        stream, include_usage = self._stream_flags(body)
-        prompt_logprobs = rf.count(body, "prompt_logprobs", None, 0, rf.MAX_LOGPROBS)
-        parsed = ParsedRequest(
-            kind=kind,
-            model=self.served_model_name,
-            prompt_ids=prompts[0],
-            sampling=SamplingParams(
-                max_tokens=max_tokens,
-                n=n,
-                logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs,
-                structured=structured,
-                **sampling,
-            ),
-            stop=stop,
-            stream=stream,
-            include_usage=include_usage,
-            prompts=prompts,
-            n=n,
-            logprobs=logprobs,
-            include_stop_str=rf.optional_bool(body, "include_stop_str_in_output", False),
-            skip_special_tokens=rf.optional_bool(body, "skip_special_tokens", True),
-            tools=tools,
-            tool_choice=tool_choice,
-            tool_format=self.tool_format if tools and tool_choice == "auto" else None,
-            ignored_fields=body["_ignored"],
-        )
-        if tools and tool_choice == "auto" and self.tool_format is None:
+        """`engine`: SamplingParams fields where the engine runs other than the answer shows."""
+        tools = getattr(req, "_tools", None)
+        choice = getattr(req, "_tool_choice", None)
+        auto = bool(tools) and choice == "auto"
+        if auto and self.tool_format is None:
             raise bad_request(
                 "this model's chat template has no tool-call format tandem can parse; use "
                 "tool_choice 'required' or a named function",
                 "tool_choice",
             )
-        return parsed
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            structured=self._structured(req),
+            **self._sampling_fields(req),
+            **{"n": req.n, "logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs}
+            | (engine or {}),
+        )
+        stream = bool(req.stream)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
+        return ParsedRequest(
+            kind=kind,
+            model=self.served_model_name,
+            prompt_ids=prompts[0],
+            sampling=sampling,
+            stop=tuple(dict.fromkeys(stop)),
+            stream=stream,
+            include_usage=include_usage,
+            prompts=prompts,
+            n=req.n,
+            logprobs=logprobs,
+            include_stop_str=bool(req.include_stop_str_in_output),
+            skip_special_tokens=req.skip_special_tokens is not False,
+            tools=tools,
+            tool_choice=choice,
+            tool_format=self.tool_format if auto else None,
+            ignored_fields=_ignored(req),
+        )
 
-    def _structured(self, body: dict, tools, tool_choice) -> tuple[str, str] | None:
-        from router.tools import tool_choice_constraint
-
-        spec, param = rf.structured_spec(body)
-        forced = tool_choice_constraint(tools, tool_choice) if tools else None
-        if spec is not None and forced is not None:
-            raise bad_request(
-                "a forced tool_choice cannot be combined with another structured output constraint",
-                "tool_choice",
-            )
-        if spec is None:
-            spec, param = forced, "tools"
-        if spec is not None and self.check_structured is not None:
+    def _structured(self, req: Any) -> tuple[str, str] | None:
+        if req._structured is None:
+            return None
+        param, spec = req._structured
+        if self.check_structured is not None:
             try:
                 self.check_structured(*spec)
             except ValueError as e:
                 raise bad_request(f"invalid structured output constraint: {e}", param) from e
         return spec
 
-    def _sampling_fields(self, body: dict) -> dict[str, Any]:
-        """The validated SamplingParams fields other than max_tokens, n and logprobs."""
+    def _sampling_fields(self, req: Any) -> dict[str, Any]:
+        """SamplingParams fields other than max_tokens, n, logprobs and structured."""
         d = self.defaults
-        temperature = rf.number(body, "temperature", d.get("temperature", 1.0), 0, 1e6)
-        top_p = rf.number(body, "top_p", d.get("top_p", 1.0), 0, 1, lo_open=True)
-        top_k = body.get("top_k")
-        if top_k is None:
-            top_k = d.get("top_k", -1)
-        if not _is_int(top_k):  # before the == 0 below, which false would pass
-            raise bad_request(f"top_k must be -1, 0 or a positive int, got {top_k!r}", "top_k")
-        if top_k == 0:
-            top_k = -1  # vLLM: 0 and -1 both mean "no top-k"
-        if not _is_int(top_k) or top_k < -1:
-            raise bad_request(f"top_k must be -1, 0 or a positive int, got {top_k!r}", "top_k")
-        seed = body.get("seed")
-        if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
-            raise bad_request(f"seed must be a 64-bit int, got {seed!r}", "seed")
-        stop_token_ids = body.get("stop_token_ids")
-        if stop_token_ids is None:
-            stop_token_ids = []
-        if not isinstance(stop_token_ids, list):
-            raise bad_request("stop_token_ids must be a list of token ids", "stop_token_ids")
-        self._check_token_ids(stop_token_ids, "stop_token_ids")
+
+        def pick(name: str, default: Any) -> Any:
+            value = getattr(req, name)
+            return d.get(name, default) if value is None else value
+
+        top_k = pick("top_k", -1)
         return {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "stop_token_ids": tuple(stop_token_ids),
-            "ignore_eos": rf.optional_bool(body, "ignore_eos", False),
-            "min_tokens": rf.count(body, "min_tokens", 0, 0, self.max_model_len),
-            "presence_penalty": rf.number(body, "presence_penalty", 0.0, -2, 2),
-            "frequency_penalty": rf.number(body, "frequency_penalty", 0.0, -2, 2),
-            "repetition_penalty": rf.number(
-                body, "repetition_penalty", d.get("repetition_penalty", 1.0), 0, 1e6, True
-            ),
-            "logit_bias": rf.logit_bias(body, self.vocab_size),
-            "min_p": rf.number(body, "min_p", d.get("min_p", 0.0), 0, 1),
+            "temperature": float(pick("temperature", 1.0)),
+            "top_p": float(pick("top_p", 1.0)),
+            "top_k": -1 if top_k == 0 else top_k,  # vLLM: 0 and -1 both mean "no top-k"
+            "min_p": float(pick("min_p", 0.0)),
+            "repetition_penalty": float(pick("repetition_penalty", 1.0)),
+            "seed": req.seed,
+            "stop_token_ids": tuple(req.stop_token_ids or ()),
+            "ignore_eos": bool(req.ignore_eos),
+            "min_tokens": req.min_tokens or 0,
+            "presence_penalty": req.presence_penalty or 0.0,
+            "frequency_penalty": req.frequency_penalty or 0.0,
+            "logit_bias": tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
         }
 
-    @staticmethod
-    def _stream_flags(body: dict) -> tuple[bool, bool]:
-        """(stream, stream_options.include_usage)."""
-        stream = body.get("stream", False)
-        if stream is None:
-            stream = False
-        if not isinstance(stream, bool):
-            raise bad_request("stream must be a boolean", "stream")
-        opts = body.get("stream_options")
-        if opts is None:
-            return stream, False
-        if not isinstance(opts, dict):
-            raise bad_request("stream_options must be an object", "stream_options")
-        if not stream:
-            raise bad_request(
-                "stream_options is only allowed when stream is true", "stream_options"
-            )
-        include_usage = opts.get("include_usage", False)
-        if include_usage is None:
-            include_usage = False
-        if not isinstance(include_usage, bool):
-            raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
-        return stream, include_usage
-
     def _max_tokens(
-        self, body: dict, names: tuple[str, ...], prompt_len: int, default_cap: int | None
+        self, req: Any, names: tuple[str, ...], prompt_len: int, default_cap: int | None
     ) -> int:
         limit = self.max_model_len
         room = limit - prompt_len
@@ -336,13 +238,9 @@ class RequestParser:
                 code="context_length_exceeded",
             )
         for name in names:
-            value = body.get(name)
+            value = getattr(req, name)
             if value is None:
                 continue
-            if not _is_int(value):
-                raise bad_request(f"'{name}' must be an integer, got {value!r}", param=name)
-            if value < 1:
-                raise bad_request(f"'{name}' must be at least 1, got {value}", param=name)
             if value > room:
                 raise bad_request(
                     f"This model's maximum context length is {limit} tokens. However, you "
@@ -354,173 +252,53 @@ class RequestParser:
             return value
         return room if default_cap is None else min(default_cap, room)
 
-    def _stop_strings(self, stop: Any) -> tuple[str, ...]:
-        if stop is None:
-            return ()
-        if isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("stop must be a string or a list of strings", "stop")
-        if any(not s for s in stop):
-            raise bad_request("stop strings must not be empty", "stop")
-        return tuple(dict.fromkeys(stop))
-
-    def _check_token_ids(self, ids: list, param: str) -> None:
-        for t in ids:
-            if not _is_int(t):
-                raise bad_request(f"{param} must contain only integers, got {t!r}", param)
-            if not 0 <= t < self.vocab_size:
-                raise bad_request(
-                    f"token id {t} in {param} is outside the vocabulary [0, {self.vocab_size})",
-                    param,
-                    code="invalid_token_id",
-                )
-
     # ------------------------------------------------------------------ prompts
 
-    def _completion_prompts(self, prompt: Any, add_special: bool) -> list[list[int]]:
-        """A string, a list of token ids, or a list of either (a batch, one choice set each)."""
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-            if len(prompt) > rf.MAX_N:
-                raise bad_request(f"at most {rf.MAX_N} prompts per request", "prompt")
-            return [self._one_prompt(p, add_special) for p in prompt]
-        return [self._one_prompt(prompt, add_special)]
-
-    def _one_prompt(self, prompt: Any, add_special: bool) -> list[int]:
-        if isinstance(prompt, list):
-            if not prompt:
-                raise bad_request("prompt must not be empty", "prompt", code="empty_prompt")
-            self._check_token_ids(prompt, "prompt")
-            return list(prompt)
-        if not isinstance(prompt, str):
+    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise bad_request(
-                "prompt must be a string, a list of token ids, or a list of either", "prompt"
+                f"This model's maximum context length is {self.max_model_len} tokens, and "
+                f"the {param} ({len(text)} characters) is far longer than that.",
+                param,
+                code="context_length_exceeded",
             )
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt", code="empty_prompt")
-        ids = self._tokenize(prompt, "prompt", add_special_tokens=add_special)
+        ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
         if not ids:
-            raise bad_request("prompt tokenizes to no tokens", "prompt", code="empty_prompt")
+            empty = {"prompt": "prompt tokenizes to no tokens"}
+            message = empty.get(param, "messages render to an empty prompt")
+            raise bad_request(message, param, code="empty_prompt")
         return ids
 
-    def _chat_messages(self, messages: Any) -> list[dict]:
-        if not isinstance(messages, list):
-            raise bad_request("messages must be a list of message objects", "messages")
-        if not messages:
-            raise bad_request("messages must not be empty", "messages", code="empty_prompt")
-        return [self._chat_message(msg, i) for i, msg in enumerate(messages)]
-
-    def _chat_message(self, msg: Any, i: int) -> dict:
-        if not isinstance(msg, dict):
-            raise bad_request(f"messages[{i}] must be an object", "messages")
-        extra = sorted(set(msg) - MESSAGE_FIELDS)
-        if extra:
-            raise bad_request(f"messages[{i}] has unsupported fields {extra}", "messages")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise bad_request(f"messages[{i}].role must be a string", "messages")
-        if role not in CHAT_ROLES:
-            raise bad_request(
-                f"messages[{i}].role {role!r} is not one of {', '.join(CHAT_ROLES)}",
-                "messages",
-            )
-        out = {"role": role, "content": self._message_text(msg.get("content"), i)}
-        for name in ("name", "tool_call_id"):
-            if msg.get(name) is not None:
-                if not isinstance(msg[name], str):
-                    raise bad_request(f"messages[{i}].{name} must be a string", "messages")
-                out[name] = msg[name]
-        if msg.get("tool_calls") is not None:  # [] is none; 0, false, "", {} are refused
-            calls = self._message_tool_calls(msg["tool_calls"], i)
-            if calls:
-                out["tool_calls"] = calls
-        return out
-
-    @staticmethod
-    def _message_tool_calls(calls: Any, i: int) -> list[dict]:
-        """An assistant turn's earlier tool calls, with arguments as objects for the template
-        (OpenAI sends them as JSON text)."""
-        if not isinstance(calls, list):
-            raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
-        out = []
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise bad_request(f"messages[{i}].tool_calls need function.name", "messages")
-            args = fn.get("arguments", "{}")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
-                raise bad_request(
-                    f"messages[{i}].tool_calls arguments are not JSON: {e}", "messages"
-                ) from e
-            out.append({**call, "function": {"name": fn["name"], "arguments": args}})
-        return out
-
-    @staticmethod
-    def _message_text(content: Any, i: int) -> str:
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise bad_request(
-                        f"messages[{i}].content: only text parts are supported", "messages"
-                    )
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad_request(f"messages[{i}].content: text must be a string", "messages")
-                parts.append(text)
-            return "\n".join(parts)
-        raise bad_request(f"messages[{i}].content must be a string or a list of parts", "messages")
-
-    def _apply_chat_template(self, messages: list[dict], body: dict, tools) -> list[int]:
+    def _render(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat template's output for the request's messages and tools, tokenized."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(
                 f"model `{self.served_model_name}` has no chat template; use /v1/completions",
                 "messages",
                 code="no_chat_template",
             )
-        cont = rf.optional_bool(body, "continue_final_message", False)
-        gen = rf.optional_bool(body, "add_generation_prompt", not cont)
-        if cont and gen:
-            raise bad_request(
-                "continue_final_message and add_generation_prompt cannot both be true",
-                "continue_final_message",
-            )
-        if cont and messages[-1]["role"] != "assistant":
-            raise bad_request(
-                "continue_final_message needs the last message to be the assistant's",
-                "continue_final_message",
-            )
-        kwargs = body.get("chat_template_kwargs")
-        kwargs = {} if kwargs is None else kwargs
-        if not isinstance(kwargs, dict):
-            raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
-        if "chat_template" in kwargs or "tokenize" in kwargs:
-            # A template from the request would run a client's Jinja in the router (vLLM
-            # refuses it too unless told to trust request templates).
-            raise bad_request(
-                "chat_template_kwargs may not set 'chat_template' or 'tokenize'",
-                "chat_template_kwargs",
-            )
+        cont = bool(req.continue_final_message)
+        gen = not cont if req.add_generation_prompt is None else req.add_generation_prompt
         try:
             text = self.tokenizer.apply_chat_template(
-                messages,
-                tools=tools,
+                [m.for_template() for m in req.messages],
+                tools=req._tools,
                 tokenize=False,
                 add_generation_prompt=gen,
                 continue_final_message=cont,
-                **kwargs,
+                **(req.chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
             raise bad_request(f"chat template failed: {e}", "messages") from e
         # The template already wrote BOS and the turn markers.
-        add_special = rf.optional_bool(body, "add_special_tokens", False)
-        ids = self._tokenize(text, "messages", add_special_tokens=add_special)
-        if not ids:
-            raise bad_request("messages render to an empty prompt", "messages", code="empty_prompt")
-        return ids
+        return self._tokenize(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+
+
+def _ignored(req: Any) -> list[str]:
+    """Unknown top-level fields (not OpenAI or vLLM fields): logged once per name."""
+    unknown = sorted(req.model_extra or ())
+    for name in unknown:
+        if name not in _warned and len(_warned) < 1024:
+            _warned.add(name)
+            log.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", name)
+    return unknown

@@ -27,23 +27,21 @@ import asyncio
 import contextlib
 import hmac
 import importlib.metadata
-import json
 import logging
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from engine.model_info import ModelInfo, read_model_info
 from engine.roles import DECODING_ROLES
 from router import responses
 from router.admission import AdmissionControl, Ticket
-from router.body import read_json
+from router.body import read_body
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
@@ -66,16 +64,6 @@ _PROBE_PATHS = ("/health", "/ready")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@dataclass(slots=True)
-class ModelInfo:
-    tokenizer: Any
-    max_model_len: int
-    vocab_size: int
-    # Sampling defaults from generation_config.json (vLLM applies them the same way).
-    generation_defaults: dict = field(default_factory=dict)
-    eos_token_ids: tuple[int, ...] = ()
-
-
 def tandem_version() -> str:
     try:
         return importlib.metadata.version("tandem")
@@ -83,38 +71,10 @@ def tandem_version() -> str:
         return "0+unknown"
 
 
-_GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def generation_defaults(model_path: str) -> dict:
-    """The sampling fields a model's generation_config.json sets (absent file: none)."""
-    path = Path(model_path, "generation_config.json")
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    return {k: config[k] for k in _GENERATION_DEFAULTS if config.get(k) is not None}
-
-
 def load_model_info(config: RouterConfig) -> ModelInfo:
-    """Tokenizer, context window and vocabulary size of the served model (local HF dir)."""
-    # Imported here, not at the top: transformers' Auto classes load torch when it is
-    # installed, and importing the router must not (tests/router/test_router_imports.py).
-    from transformers import AutoConfig, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-    hf_config = AutoConfig.from_pretrained(config.model_path)
-    max_len = getattr(hf_config, "max_position_embeddings", None) or config.max_model_len
-    if max_len is None:
-        raise ValueError(
-            f"{config.model_path}: config has no max_position_embeddings; set max_model_len"
-        )
-    if config.max_model_len is not None:
-        max_len = min(max_len, config.max_model_len)
-    vocab = getattr(hf_config, "vocab_size", None) or len(tokenizer)
-    eos = getattr(hf_config, "eos_token_id", None)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    defaults = generation_defaults(config.model_path)
-    return ModelInfo(tokenizer, int(max_len), int(vocab), defaults, eos_ids)
+    """Tokenizer, context window, vocabulary size, EOS ids and sampling defaults of the
+    served model (local HF dir), read as the engine reads them (engine/model_info.py)."""
+    return read_model_info(config.model_path, config.max_model_len)
 
 
 def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
@@ -421,21 +381,21 @@ class RouterServer:
 
     # ------------------------------------------------------------------ generation routes
 
-    async def _read_json(self, request: web.Request) -> Any:
-        return await read_json(request, self.config.body_timeout_s)  # 408 / 413 / 400
+    async def _read_body(self, request: web.Request) -> bytes:
+        return await read_body(request, self.config.body_timeout_s)  # 408 / 413 / 400
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._early_refusal()) is not None:
             return refusal
-        body = await self._read_json(request)
+        body = await self._read_body(request)
         assert self.parser is not None
-        parsed = self.parser.parse_completion(body)
+        parsed = self.parser.parse_completion(body)  # the model validates the bytes
         return await self._serve(request, parsed, f"cmpl-{uuid.uuid4().hex}")
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._early_refusal()) is not None:
             return refusal
-        body = await self._read_json(request)
+        body = await self._read_body(request)
         assert self.parser is not None
         parsed = self.parser.parse_chat(body)
         return await self._serve(request, parsed, f"chatcmpl-{uuid.uuid4().hex}")

@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def make_tiny_model(tmp_path_factory):
     """`get(arch, preset, seed) -> Path`: the checkpoint, made once per session in pytest's
     temporary directory (never the user's cache, so a test cannot read a stale model)."""
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     root = tmp_path_factory.mktemp("models")
 
@@ -30,7 +30,7 @@ def make_tiny_model(tmp_path_factory):
 
 
 # Steps of corpus training that make a tiny checkpoint peaked like a trained model's (it
-# memorises engine.tokenizer_corpus): what accuracy tests of quantization measure on.
+# memorises tools.tokenizer_corpus): what accuracy tests of quantization measure on.
 TRAIN_STEPS = 300
 
 
@@ -38,7 +38,7 @@ TRAIN_STEPS = 300
 def make_trained_model(tmp_path_factory):
     """`get(arch) -> Path`: the tiny checkpoint of `arch` (seed 0) trained TRAIN_STEPS steps on
     the tokenizer corpus, made once per session (about 10 s per arch on an idle 2-core box)."""
-    from engine.make_model import cached_model
+    from tools.make_model import cached_model
 
     root = tmp_path_factory.mktemp("trained-models")
 

@@ -3,8 +3,10 @@
 - no Python file over 600 lines outside tests/;
 - no function over 60 lines in kv_transfer/, router/, cluster/, bench/;
 - imports only point down `cluster -> bench, router, prefill_worker, decode_worker ->
-  kv_transfer -> engine` (function-local imports included: a lazy import up the layers is
-  still an import up the layers), and the four middle packages never import each other.
+  kv_transfer, tools -> engine` (function-local imports included: a lazy import up the layers
+  is still an import up the layers), and the four middle packages never import each other;
+- tools/ (checkpoint making, not runtime code) is imported by cluster, bench, benchmarks and
+  tests only, never by a serving package.
 (The no-import-cycle rule is tests/test_import_graph.py's.)
 """
 
@@ -19,6 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 LAYER = {
     "engine": 0,
     "kv_transfer": 1,
+    # Not runtime code (tandem make-model and its corpus): beside bench in the layering, but
+    # below it, since bench (tandem profile) imports it.
+    "tools": 1,
     "bench": 2,
     "router": 2,
     "prefill_worker": 2,
@@ -83,6 +88,21 @@ def test_no_function_is_over_60_lines():
                 if n > MAX_FUNCTION_LINES:
                     long[f"{path.relative_to(REPO)}:{node.lineno} {node.name}"] = n
     assert long == {}
+
+
+# The packages a serving process is built from: none of them may import tools/.
+RUNTIME_PACKAGES = ("engine", "kv_transfer", "router", "prefill_worker", "decode_worker")
+
+
+@pytest.mark.parametrize("package", RUNTIME_PACKAGES)
+def test_runtime_packages_never_import_tools(package):
+    wrong = {
+        f"{_module_name(path)} imports {name}"
+        for path in _sources(package)
+        for name in _imports(ast.parse(path.read_text()), _module_name(path))
+        if name.split(".")[0] == "tools"
+    }
+    assert sorted(wrong) == []
 
 
 @pytest.mark.parametrize("package", sorted(LAYER))

@@ -7,8 +7,10 @@ a worker, the router, the controller or the benchmarks:
 - no pyzmq object helpers (send_pyobj, recv_pyobj, send_serialized, recv_serialized), called
   or looked up by name, and no pandas read_pickle;
 - torch.load only with weights_only=True; no allow_pickle=True (numpy);
-- msgpack is decoded only in engine/wire.py, and there with raw=False, strict_map_key=True and
-  a size check of the frame before unpacking (an Unpacker also needs max_buffer_size).
+- msgpack is decoded only in engine/wire.py (msgpack's unpackers and msgspec.msgpack's decoders),
+  and there with a size check of the frame before unpacking: a `len(frame)` comparison before
+  `msgpack.unpackb(frame, ...)` or any `<decoder>.decode(frame)`; msgpack's own also with
+  raw=False and strict_map_key=True (an Unpacker also needs max_buffer_size).
 
 A finding names file:line. The scanner is tested on planted violations, so a scan that finds
 nothing proves something.
@@ -40,6 +42,7 @@ PICKLE_MODULES = {
 }
 OBJECT_HELPERS = {"send_pyobj", "recv_pyobj", "send_serialized", "recv_serialized", "read_pickle"}
 MSGPACK_DECODERS = {"unpackb", "unpack", "loads", "load", "Unpacker"}
+MSGSPEC_DECODERS = {"msgspec.msgpack.decode", "msgspec.msgpack.Decoder"}
 
 
 class _Scan(ast.NodeVisitor):
@@ -53,6 +56,7 @@ class _Scan(ast.NodeVisitor):
         self.torch_load: set[str] = set()  # names bound to torch.load
         self.msgpack: set[str] = set()
         self.msgpack_decoders: set[str] = set()
+        self.msgspec: dict[str, str] = {"msgspec": "msgspec"}  # bound name -> dotted path
         self.parents: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
@@ -74,6 +78,8 @@ class _Scan(ast.NodeVisitor):
                     self.torch.add(bound)
                 elif a.name == "msgpack" or (root == "msgpack" and a.asname is None):
                     self.msgpack.add(bound)
+                elif root == "msgspec":
+                    self.msgspec[bound] = a.name if a.asname else root
             return
         module = node.module or ""
         root = module.split(".")[0]
@@ -84,6 +90,8 @@ class _Scan(ast.NodeVisitor):
                 self.torch_load.add(a.asname or a.name)
             elif module == "msgpack" and a.name in MSGPACK_DECODERS:
                 self.msgpack_decoders.add(a.asname or a.name)
+            elif root == "msgspec":
+                self.msgspec[a.asname or a.name] = f"{module}.{a.name}"
 
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if node.attr in OBJECT_HELPERS:
@@ -105,6 +113,12 @@ class _Scan(ast.NodeVisitor):
                 self.report(node, "torch.load without weights_only=True (unpickles)")
         if (owner in self.msgpack and attr in MSGPACK_DECODERS) or name in self.msgpack_decoders:
             self._msgpack_decode(node, attr or name)
+        dotted = self._msgspec_path(func)
+        if dotted in MSGSPEC_DECODERS and self.rel != WIRE:
+            self.report(node, f"{dotted} outside {WIRE} (decode frames with engine.wire)")
+        if self.rel == WIRE and attr == "decode" and not self._size_checked(node):
+            if isinstance(node.args[0] if node.args else None, ast.Name):
+                self.report(node, f"{ast.unparse(func)} without a size check of its frame first")
         if any(k.arg == "allow_pickle" and _is_true(k.value) for k in node.keywords):
             self.report(node, "allow_pickle=True")
         self.generic_visit(node)
@@ -119,6 +133,16 @@ class _Scan(ast.NodeVisitor):
             arg = node.args[1]
             if isinstance(arg, ast.Constant) and arg.value in OBJECT_HELPERS:
                 self.report(node, f"looks up {arg.value} (pickles objects)")
+
+    def _msgspec_path(self, func: ast.expr) -> str | None:
+        """`msgspec.msgpack.Decoder` for `mm.Decoder` after `import msgspec.msgpack as mm`."""
+        parts = []
+        while isinstance(func, ast.Attribute):
+            parts.append(func.attr)
+            func = func.value
+        if not isinstance(func, ast.Name) or func.id not in self.msgspec:
+            return None
+        return ".".join([self.msgspec[func.id], *reversed(parts)])
 
     def _msgpack_decode(self, node: ast.Call, decoder: str) -> None:
         if self.rel != WIRE:
@@ -192,11 +216,14 @@ def test_no_pickle_in_the_serving_packages():
 
 
 def test_the_wire_module_is_scanned_and_passes():
-    """engine/wire.py really unpacks msgpack: the rules for it are exercised, not vacuous."""
+    """engine/wire.py really unpacks msgpack (msgspec's typed decoders): the rules for it are
+    exercised, not vacuous."""
     source = (REPO / WIRE).read_text(encoding="utf-8")
-    assert "msgpack.unpackb(" in source
+    assert "msgspec.msgpack.Decoder(" in source and ".decode(frame)" in source
     assert scan_source(source, WIRE) == []
     assert scan_source(source, "engine/elsewhere.py") != []
+    unchecked = source.replace("if len(frame) > max_bytes:", "if max_bytes < 0:")
+    assert any("size check" in f for f in scan_source(unchecked, WIRE))
 
 
 PLANTED = {
@@ -217,6 +244,10 @@ PLANTED = {
     "import numpy as np\na = np.load(p, allow_pickle=True)": "allow_pickle=True",
     "import msgpack\nd = msgpack.unpackb(b, raw=False, strict_map_key=True)": "outside engine",
     "from msgpack import Unpacker\nu = Unpacker(f)": "msgpack.Unpacker outside",
+    "import msgspec\nd = msgspec.msgpack.Decoder(dict)": "msgspec.msgpack.Decoder outside",
+    "import msgspec.msgpack as mm\nd = mm.Decoder(dict)": "msgspec.msgpack.Decoder outside",
+    "from msgspec import msgpack as m\nx = m.decode(b)": "msgspec.msgpack.decode outside",
+    "from msgspec.msgpack import decode as d\nx = d(b)": "msgspec.msgpack.decode outside",
 }
 
 
@@ -244,6 +275,8 @@ def test_the_scanner_finds_a_planted_violation(tmp_path, snippet):
             "    return msgpack.Unpacker(frame, raw=False, strict_map_key=True)",
             "max_buffer_size",
         ),
+        ("return _ENVELOPE.decode(frame)", "size check"),
+        ("return msgspec.msgpack.decode(frame, type=T)", "size check"),
     ],
 )
 def test_the_scanner_holds_the_wire_module_to_its_limits(body, missing):

@@ -15,31 +15,15 @@ import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
-from engine.structured.matcher import GrammarMatcher
+# CompiledGrammar lives beside GrammarMatcher (each names the other); re-exported here.
+from engine.structured.matcher import CompiledGrammar, GrammarMatcher
 from engine.structured.specs import StructuredError, check_grammar, grammar_text
 
 DEFAULT_CACHE_SIZE = 256
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class CompiledGrammar:
-    """A grammar compiled for one tokenizer: the template every matcher copies."""
-
-    kind: str
-    spec: str
-    template: LLMatcher = field(repr=False)
-    vocab_size: int  # the logits width masks cover
-    mask_words: int  # int32 words in one bitmask row (llguidance's vocabulary, rounded up)
-    eos_token_ids: frozenset[int]
-
-    def matcher(self, tokens: Iterable[int] = ()) -> GrammarMatcher:
-        """A fresh matcher that has already accepted `tokens` (a replay; see GrammarMatcher)."""
-        return GrammarMatcher(self, tokens)
 
 
 def tokenizer_size(tokenizer: Any) -> int:

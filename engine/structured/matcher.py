@@ -1,4 +1,6 @@
-"""`GrammarMatcher` (one sequence's position in a grammar) and the logits masking.
+"""`CompiledGrammar` (a grammar compiled for one tokenizer, the template every matcher copies;
+built by engine/structured/compiler.py), `GrammarMatcher` (one sequence's position in it) and
+the logits masking.
 
 A step of constrained decoding is: `fill_bitmask` (llguidance writes one bit per token, 1 =
 allowed, into an int32 row: ~vocab/32 words), then `apply_token_bitmask` (the bits, moved to
@@ -14,14 +16,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.structured.specs import StructuredError
 
 if TYPE_CHECKING:
     import torch
+    from llguidance import LLMatcher
 
-    from engine.structured.compiler import CompiledGrammar
+
+@dataclass(frozen=True, slots=True, eq=False)
+class CompiledGrammar:
+    """A grammar compiled for one tokenizer: the template every matcher copies."""
+
+    kind: str
+    spec: str
+    template: LLMatcher = field(repr=False)
+    vocab_size: int  # the logits width masks cover
+    mask_words: int  # int32 words in one bitmask row (llguidance's vocabulary, rounded up)
+    eos_token_ids: frozenset[int]
+
+    def matcher(self, tokens: Iterable[int] = ()) -> GrammarMatcher:
+        """A fresh matcher that has already accepted `tokens` (a replay; see GrammarMatcher)."""
+        return GrammarMatcher(self, tokens)
 
 
 class GrammarMatcher:

@@ -51,7 +51,7 @@ PROFILE_TOKENS = 64
 PROFILE_MIN_AGREEMENT = 0.95  # measured 1.0 (384 of 384 positions)
 PROFILE_MIN_SAME_TEXTS = 5  # of 6 prompts; measured 6
 PROMPT_TOKENS = 24
-# Passages of engine/tokenizer_corpus.py ENGLISH_TEXT, by their opening words.
+# Passages of tools/tokenizer_corpus.py ENGLISH_TEXT, by their opening words.
 PASSAGES = (
     "Once upon a time",
     "Large language models",
@@ -114,7 +114,7 @@ def _profile_references(model, prompts, sp):
 
 def _corpus_prompts(model) -> list[list[int]]:
     """The first PROMPT_TOKENS tokens of each of PASSAGES, by the model's tokenizer."""
-    from engine.tokenizer_corpus import ENGLISH_TEXT
+    from tools.tokenizer_corpus import ENGLISH_TEXT
 
     tok = _tokenizer(model)
     passages = ENGLISH_TEXT.split("\n\n")

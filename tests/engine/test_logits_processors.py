@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from msgspec.structs import replace
 
 from engine import LLM, SamplingParams
 from engine.logits_processors import apply_logits_processors, min_p_mask
@@ -361,7 +362,7 @@ def test_min_p_samples_only_inside_the_min_p_set(tiny):
         assert len(o.token_ids) == MAX_TOKENS
         assert _min_p_violations(path, p, o.token_ids, sp, eos, sp.min_p) == []
     # Same seeds without min_p: the check above has teeth (plain sampling leaves the set).
-    without = [SamplingParams(**{**sp.to_dict(), "min_p": 0.0}) for sp in with_min_p]
+    without = [replace(sp, min_p=0.0) for sp in with_min_p]
     free = llm.generate(prompts, without)
     assert any(
         _min_p_violations(path, p, o.token_ids, sp, eos, w.min_p)

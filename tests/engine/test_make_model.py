@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine import make_model as make_model_module
-from engine.make_model import ARCHS, COMPLETE_MARKER, cached_model, make_model, model_shape
+from tools import make_model as make_model_module
+from tools.make_model import ARCHS, COMPLETE_MARKER, cached_model, make_model, model_shape
 
 PROMPT = "The capital of France is Paris, and the quick brown fox jumps."
 
@@ -136,7 +136,7 @@ def test_small_preset_sizes() -> None:
 def test_param_count_formula_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
-    from engine.make_model import build_config
+    from tools.make_model import build_config
 
     for arch in ARCHS:
         shape = model_shape(arch, "tiny")

@@ -20,7 +20,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.make_model import build_tokenizer
 from engine.structured import (
     GrammarCompiler,
     GrammarMatcher,
@@ -30,6 +29,7 @@ from engine.structured import (
     unpack_bitmask,
     validate,
 )
+from tools.make_model import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER_VOCAB = 1024

@@ -10,8 +10,8 @@ import pathlib
 import pytest
 import torch
 
-from engine.make_model import ARCHS, cached_model, make_model
-from engine.train_model import TRAINING_JSON, corpus_token_ids, sample_windows
+from tools.make_model import ARCHS, cached_model, make_model
+from tools.train_model import TRAINING_JSON, corpus_token_ids, sample_windows
 
 STEPS = 300  # tests/conftest.py TRAIN_STEPS: the session fixture trains this many
 

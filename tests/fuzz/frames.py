@@ -33,7 +33,7 @@ from engine.protocol import (
     TokenMessage,
 )
 from engine.sampling_params import SamplingParams
-from engine.wire import decode, encode
+from engine.wire import WIRE_VERSION, decode, encode
 from kv_transfer.messages import (
     Abort,
     AgentMetadata,
@@ -109,7 +109,7 @@ _TEMPLATES = [msgpack.unpackb(encode(m)) for m in templates()]
 
 
 def _frame(tag: str, body: dict) -> bytes:
-    return msgpack.packb({"v": 1, "t": tag, "d": body}, use_bin_type=True)
+    return msgpack.packb({"v": WIRE_VERSION, "t": tag, "d": body}, use_bin_type=True)
 
 
 def _known_bad() -> dict[str, list[bytes]]:
@@ -165,7 +165,7 @@ def _broken_frame(draw) -> bytes:
     elif how == "unknown":
         body[draw(st.text(min_size=1, max_size=10))] = draw(MSGPACK_VALUES)
     elif how == "version":
-        outer["v"] = draw(MSGPACK_VALUES.filter(lambda v: v != 1))
+        outer["v"] = draw(MSGPACK_VALUES.filter(lambda v: v != WIRE_VERSION))
     elif how == "tag":
         outer["t"] = draw(
             MSGPACK_VALUES | st.sampled_from(["generate ", "GENERATE", "kvx.", "tokens"])
@@ -181,7 +181,7 @@ def _broken_frame(draw) -> bytes:
 
 
 def _oversized(n: int) -> bytes:
-    return msgpack.packb({"v": 1, "t": "abort", "d": {"request_id": "x" * n}})
+    return msgpack.packb({"v": WIRE_VERSION, "t": "abort", "d": {"request_id": "x" * n}})
 
 
 SMALL_PART = st.one_of(

@@ -1,4 +1,5 @@
-"""Hypothesis strategies drawn from the router's OpenAPI document (router/openapi.py).
+"""Hypothesis strategies drawn from the router's OpenAPI document (router/openapi.py, generated
+from the pydantic models of router/protocol.py).
 
 `SchemaGen(doc, limits)` turns the document's JSON schemas into strategies: `body(name)` draws
 request bodies of `components.schemas[name]` that the document's own validator accepts, and
@@ -81,7 +82,11 @@ class SchemaGen:
     def body(self, name: str) -> st.SearchStrategy[dict]:
         """Bodies of schema `name` that the document's validator accepts."""
         check = self.validator(name)
-        return self._object(self.schema(name), top=True).filter(check.is_valid)
+        schema = self.schema(name)
+        if "properties" not in schema and "oneOf" in schema:  # one of several bodies
+            bodies = [self._object(self.resolve(s), top=True) for s in schema["oneOf"]]
+            return st.one_of(bodies).filter(check.is_valid)
+        return self._object(schema, top=True).filter(check.is_valid)
 
     def resolve(self, schema: dict) -> dict:
         ref = schema.get("$ref")

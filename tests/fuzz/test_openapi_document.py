@@ -1,23 +1,23 @@
-"""The OpenAPI document (router/openapi.py) against the parser it describes, with no server
-process: its body fields are exactly the parser's field sets, it is valid JSON Schema 2020-12
-with every `$ref` resolving, every route the router serves is in it (and nothing else), bodies
-drawn from its schemas parse (or fail only a check it lists under `x-tandem-checks`), and a
-value of a JSON type a field does not list is refused."""
+"""The OpenAPI document (router/openapi.py), generated from the pydantic models of
+router/protocol.py, with no server process: a valid OpenAPI 3.1 document whose schemas are
+valid JSON Schema 2020-12 with every `$ref` resolving, its request bodies the models' own
+schemas, every route the router serves in it (and nothing else), bodies drawn from it parse (or
+fail only a check it lists under `x-tandem-checks`), and a value of a JSON type a field does not
+list is refused."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from jsonschema import Draft202012Validator
 
-from router import request_fields as rf
+from router import protocol, utility_routes
 from router.errors import APIError
-from router.openai_api import MESSAGE_FIELDS
 from router.openapi import JSON_SCHEMA_DIALECT, OPENAPI_VERSION
-from router.utility_routes import _CHAT_FIELDS, _DETOKENIZE_FIELDS, _PROMPT_FIELDS
 
 from .conftest import SERVED
 from .schema_gen import SchemaGen
@@ -26,44 +26,51 @@ ROUTES = {
     "CompletionRequest": ("/v1/completions", "parse_completion"),
     "ChatCompletionRequest": ("/v1/chat/completions", "parse_chat"),
 }
+METHODS = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
 
 
-def _props(doc: dict, name: str) -> set[str]:
-    return set(doc["components"]["schemas"][name]["properties"])
+def _fields(model) -> set[str]:
+    return {f.alias or name for name, f in model.model_fields.items()}
 
 
-def test_body_fields_are_the_parsers_field_sets(doc):
-    assert _props(doc, "CompletionRequest") == rf.COMPLETION_FIELDS
-    assert _props(doc, "ChatCompletionRequest") == rf.CHAT_FIELDS
-    assert _props(doc, "ChatMessage") == MESSAGE_FIELDS
-    by_prompt, by_messages = doc["components"]["schemas"]["TokenizeRequest"]["oneOf"]
-    assert set(by_prompt["properties"]) == _PROMPT_FIELDS
-    assert set(by_messages["properties"]) == _CHAT_FIELDS
-    assert _props(doc, "DetokenizeRequest") == _DETOKENIZE_FIELDS
-    # Unknown fields: accepted (and named back) on the generation routes, refused elsewhere.
+def test_request_schemas_are_the_models(doc):
+    """components/schemas holds each model's own JSON schema (refs into components), the
+    served name as the only `model`; unknown fields are accepted (and named back) on the
+    generation routes, refused elsewhere."""
     schemas = doc["components"]["schemas"]
+    ref = "#/components/schemas/{model}"
+    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest,
+                  protocol.ChatMessage, utility_routes.TokenizePrompt, utility_routes.DetokenizeRequest):  # fmt: skip
+        own = model.model_json_schema(ref_template=ref)
+        own.pop("$defs", None)
+        documented = json.loads(json.dumps(schemas[model.__name__]))
+        documented["properties"].pop("model", None)  # the served name, checked below
+        own["properties"].pop("model", None)
+        assert documented == own, model.__name__
+        assert set(schemas[model.__name__]["properties"]) == _fields(model)
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizePrompt"):
+        assert schemas[name]["properties"]["model"]["enum"] == [SERVED, None]
     assert schemas["CompletionRequest"]["additionalProperties"] is True
     assert schemas["ChatCompletionRequest"]["additionalProperties"] is True
-    assert schemas["DetokenizeRequest"]["additionalProperties"] is False
-    assert by_prompt["additionalProperties"] is by_messages["additionalProperties"] is False
+    for name in ("DetokenizeRequest", "TokenizePrompt", "TokenizeChat", "ChatMessage"):
+        assert schemas[name]["additionalProperties"] is False
 
 
 def test_refused_fields_are_marked_and_checks_name_real_fields(doc):
+    gen = SchemaGen(doc)
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = doc["components"]["schemas"][name]["properties"]
         refused = {k for k, v in props.items() if v.get("deprecated")}
-        assert refused == set(rf.REFUSED) & set(props)
+        assert refused == set(protocol.REFUSED) & set(props)
     for path, item in doc["paths"].items():
         for op in item.values():
             checks = op.get("x-tandem-checks", {})
             if not checks:
                 continue
-            schema = SchemaGen(doc).resolve(
-                op["requestBody"]["content"]["application/json"]["schema"]
-            )
+            schema = gen.resolve(op["requestBody"]["content"]["application/json"]["schema"])
             fields = set(schema.get("properties", {}))
             for branch in schema.get("oneOf", []):
-                fields |= set(branch["properties"])
+                fields |= set(gen.resolve(branch)["properties"])
             assert set(checks) <= fields, (path, set(checks) - fields)
 
 
@@ -76,9 +83,23 @@ def _refs(node) -> list[str]:
     return []
 
 
-def test_document_is_valid_json_schema_2020_12(doc):
+def test_document_is_valid_openapi_3_1(doc):
     assert doc["openapi"] == OPENAPI_VERSION and OPENAPI_VERSION.startswith("3.1.")
     assert doc["jsonSchemaDialect"] == JSON_SCHEMA_DIALECT
+    assert isinstance(doc["info"]["title"], str) and isinstance(doc["info"]["version"], str)
+    assert set(doc["components"]) <= {"schemas", "responses", "headers", "securitySchemes"}
+    for path, item in doc["paths"].items():
+        assert path.startswith("/") and item and set(item) <= METHODS, path
+        for op in item.values():
+            assert op["responses"] and all(k.isdigit() for k in op["responses"]), path
+            for response in op["responses"].values():
+                assert "$ref" in response or isinstance(response["description"], str)
+            body = op.get("requestBody")
+            if body is not None:
+                assert body["content"]["application/json"]["schema"]["$ref"].startswith(
+                    "#/components/schemas/"
+                )
+    json.dumps(doc, allow_nan=False)  # plain JSON: what GET /openapi.json answers
     assert Draft202012Validator.META_SCHEMA["$id"] == JSON_SCHEMA_DIALECT
     for schema in doc["components"]["schemas"].values():
         Draft202012Validator.check_schema(schema)  # raises SchemaError naming the keyword
@@ -148,7 +169,7 @@ def test_bodies_drawn_from_the_document_parse(doc, parser, schema):
             assert e.status == 400 and e.param in checks, (e.status, e.param, e.message, body)
             outcomes[f"400 {e.param}"] += 1
             return
-        known = rf.COMPLETION_FIELDS if schema == "CompletionRequest" else rf.CHAT_FIELDS
+        known = _fields(getattr(protocol, schema))
         assert parsed.ignored_fields == sorted(set(body) - known)
         outcomes["parsed"] += 1
 

@@ -11,8 +11,8 @@ import pytest
 import zmq
 from kvx_helpers import LocalWorker, PeerProcess
 
+from engine.wire import WIRE_VERSION, encode
 from engine.wire import decode as decode_frame
-from engine.wire import encode
 from kv_transfer.events import ReadDone
 from kv_transfer.messages import MAX_SIDE_FRAME_BYTES, ErrorReply, Renew
 
@@ -32,11 +32,17 @@ def _ask(sock: zmq.Socket, *parts: bytes) -> object:
 
 BAD_FRAMES = {
     "garbage": [b"\xc1\xff\x00junk"],
-    "pickle": [pickle.dumps({"v": 1, "t": "kvx.renew", "d": {"seq": 1, "request_ids": []}})],
+    "pickle": [
+        pickle.dumps({"v": WIRE_VERSION, "t": "kvx.renew", "d": {"seq": 1, "request_ids": []}})
+    ],
     "not_a_frame_map": [msgpack.packb([1, 2, 3])],
-    "unknown_type": [msgpack.packb({"v": 1, "t": "os.system", "d": {}})],
-    "bad_field": [msgpack.packb({"v": 1, "t": "kvx.renew", "d": {"seq": -5, "request_ids": []}})],
-    "extra_field": [msgpack.packb({"v": 1, "t": "kvx.abort", "d": {"request_id": "x", "y": 1}})],
+    "unknown_type": [msgpack.packb({"v": WIRE_VERSION, "t": "os.system", "d": {}})],
+    "bad_field": [
+        msgpack.packb({"v": WIRE_VERSION, "t": "kvx.renew", "d": {"seq": -5, "request_ids": []}})
+    ],
+    "extra_field": [
+        msgpack.packb({"v": WIRE_VERSION, "t": "kvx.abort", "d": {"request_id": "x", "y": 1}})
+    ],
     "oversized": [b"\x00" * (MAX_SIDE_FRAME_BYTES + 1)],
     "two_parts": [encode(Renew(1, [])), b"second part"],
     "renew_before_handshake": [encode(Renew(1, ["r"]))],
@@ -74,7 +80,7 @@ def test_agent_keeps_working_after_bad_frames(sender):
 def test_frames_on_the_wire_are_msgpack_maps():
     frame = encode(Renew(3, ["a", "b"]))
     assert msgpack.unpackb(frame) == {
-        "v": 1,
+        "v": WIRE_VERSION,
         "t": "kvx.renew",
         "d": {"seq": 3, "request_ids": ["a", "b"]},
     }

@@ -12,6 +12,7 @@ import zmq
 from router_fakes import FakeWorker, echo_tokens
 
 from engine.protocol import GenerateRequest, PrefillRequest
+from engine.wire import WIRE_VERSION
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
@@ -306,8 +307,8 @@ def test_malformed_frames_are_dropped(make_router, model_info):
     import msgpack
 
     push.send(b"\xc1 definitely not msgpack")
-    push.send(msgpack.packb({"v": 1, "t": "tokens", "d": {"request_id": 3}}))
-    push.send(msgpack.packb({"v": 1, "t": "nope", "d": {}}))
+    push.send(msgpack.packb({"v": WIRE_VERSION, "t": "tokens", "d": {"request_id": 3}}))
+    push.send(msgpack.packb({"v": WIRE_VERSION, "t": "nope", "d": {}}))
     push.send(b"\x00" * (h.server.config.max_frame_bytes + 1))
     push.send_multipart([b"a", b"b"])
     push.close()

@@ -370,7 +370,7 @@ def test_detect_tool_format():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from engine.make_model import build_tokenizer
+    from tools.make_model import build_tokenizer
 
     return build_tokenizer(1024, 1024)
 
@@ -392,7 +392,7 @@ CHAT = [
 
 
 def test_template_without_tools_is_unchanged(tokenizer):
-    from engine.make_model import CHAT_TEMPLATE
+    from tools.make_model import CHAT_TEMPLATE
 
     for messages in (CHAT, CHAT[1:], CHAT[1:2]):
         for gen in (True, False):

@@ -12,13 +12,13 @@ import time
 import pytest
 import zmq
 
-from decode_worker.server import DecodeServer
+from decode_worker.server import decode_server
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
 from engine.wire import decode, encode
 from kv_transfer.agent import KVTransferAgent
-from prefill_worker.server import PrefillServer
+from prefill_worker.server import prefill_server
 
 _names = itertools.count()
 
@@ -29,10 +29,10 @@ class Pair:
         kw = dict(model=str(model), dtype="float32", max_num_batched_tokens=128)
         pe = LLMEngine(EngineConfig(**kw, role="prefill", num_kv_blocks=64))
         de = LLMEngine(EngineConfig(**kw, role="decode", num_kv_blocks=decode_blocks or 64))
-        self.p = PrefillServer(
+        self.p = prefill_server(
             f"p{n}", pe, KVTransferAgent(f"p{n}", pe.cache, lease_seconds=lease_seconds)
         )
-        self.d = DecodeServer(
+        self.d = decode_server(
             f"d{n}", de, KVTransferAgent(f"d{n}", de.cache, lease_seconds=lease_seconds)
         )
         self.ctx = zmq.Context()
@@ -80,10 +80,12 @@ class Pair:
 
     def wait_free(self, timeout=15.0):
         """Every block back, and neither worker still tracking a request it no longer
-        streams (reply endpoints and open choices are per-request state that must not leak)."""
+        streams (reply endpoints, open choices and the connectors' transfer records are
+        per-request state that must not leak)."""
         deadline = time.time() + timeout
         pb, db = self.p.engine.block_manager, self.d.engine.block_manager
-        tracked = lambda: [s.reply_to or s.open_choices for s in (self.p, self.d)]  # noqa: E731
+        servers = (self.p, self.d)
+        tracked = lambda: [s.reply_to or s.open_choices or s.connector.requests for s in servers]  # noqa: E731
         while time.time() < deadline:
             if pb.num_free_blocks == pb.num_blocks and db.num_free_blocks == db.num_blocks:
                 if not any(tracked()):
@@ -135,7 +137,8 @@ def test_handoff_matches_colocated_engine(model, expected):
         got = pair.collect(rids)
         assert [got[r] for r in rids] == expected
         pair.wait_free()
-        assert pair.d.num_remote == 4 and pair.p.released_reasons == {"read_done": 4}
+        assert pair.d.connector.num_remote == 4
+        assert pair.p.connector.released_reasons == {"read_done": 4}
     finally:
         pair.close()
 
@@ -149,14 +152,14 @@ def test_lease_lapsed_before_admission_recomputes(model, expected):
         for rid, p in zip(rids, _prompts(), strict=True):
             pair.prefill(rid, p, SP)
         deadline = time.time() + 20
-        while pair.p.released_reasons.get("lease_expired", 0) < 4:
-            assert time.time() < deadline, pair.p.released_reasons
+        while pair.p.connector.released_reasons.get("lease_expired", 0) < 4:
+            assert time.time() < deadline, pair.p.connector.released_reasons
             time.sleep(0.05)
         pair.d.start()
         got = pair.collect(rids)
         assert [got[r] for r in rids] == expected
         pair.wait_free()
-        assert pair.d.num_recomputed == 4 and pair.d.num_remote == 0
+        assert pair.d.connector.num_recomputed == 4 and pair.d.connector.num_remote == 0
     finally:
         pair.close()
 
@@ -171,6 +174,6 @@ def test_abort_before_handoff_releases_prefill_blocks_now(model):
         got = pair.collect(["kept"])
         assert len(got["kept"]) == 12
         pair.wait_free(timeout=10.0)  # far sooner than the 30 s lease
-        assert pair.p.released_reasons.get("aborted", 0) == 1
+        assert pair.p.connector.released_reasons.get("aborted", 0) == 1
     finally:
         pair.close()

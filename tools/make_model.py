@@ -27,7 +27,7 @@ RoPE mistakes show), and the output embedding gives logits with a standard devia
 (greedy decoding has clear winners). Same (arch, preset, seed) -> byte-identical weights.
 
 `--train-steps N` (`train_steps=N`) then trains the checkpoint for N steps on the embedded
-corpus (`engine/train_model.py`). Random weights give near-flat next-token distributions, so
+corpus (`tools/train_model.py`). Random weights give near-flat next-token distributions, so
 greedy agreement between two numerics (quantized vs exact) is decided by near-ties and
 measures noise, and generated text is gibberish; a tiny model trained ~300 steps memorises
 the corpus, its distributions are peaked like a trained model's and it prints readable text.
@@ -270,7 +270,7 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         trainers,
     )
 
-    from engine.tokenizer_corpus import ENGLISH_TEXT, synthetic_words
+    from tools.tokenizer_corpus import ENGLISH_TEXT, synthetic_words
 
     tok = Tokenizer(models.BPE())
     # Exactly the pipeline transformers 5's Qwen2Tokenizer rebuilds around tokenizer.json
@@ -430,7 +430,7 @@ def _check_train_steps(train_steps: int) -> None:
 
 
 def _train(out: pathlib.Path, train_steps: int, seed: int) -> None:
-    from engine.train_model import train_on_corpus
+    from tools.train_model import train_on_corpus
 
     record = train_on_corpus(out, train_steps, seed=seed)
     print(f"make-model: trained {train_steps} steps, loss {record['final_loss']:.3g} -> {out}")

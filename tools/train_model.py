@@ -33,7 +33,7 @@ def corpus_token_ids(tokenizer: Any) -> list[int]:
 
     `verbose=False` because the corpus is longer than the tiny preset's context: training
     only ever feeds short windows of it, so transformers' length warning would be noise."""
-    from engine.tokenizer_corpus import ENGLISH_TEXT
+    from tools.tokenizer_corpus import ENGLISH_TEXT
 
     return list(tokenizer(ENGLISH_TEXT, add_special_tokens=False, verbose=False)["input_ids"])
 

@@ -1,0 +1,119 @@
+"""What a local Hugging Face model directory says about serving it, read in one place for the
+router and the engine: the tokenizer (and its chat template), the context window, the
+vocabulary size, the EOS ids and the sampling defaults of generation_config.json.
+
+Lifecycle: the router calls `read_model_info(path, max_model_len)` once at start-up (in a
+thread; router/server.py's `load_model_info`); the engine reads the same pieces while it builds
+(`engine.config.ModelConfig.from_pretrained`: `load_hf_config`, `eos_token_ids`,
+`context_window`; `engine.llm.LLM` and the structured-output compiler: `load_tokenizer`).
+So `max_model_len` is computed by one function (`context_window`) on both sides of a socket.
+
+Importing this module does not import torch (tests/engine/test_model_info.py checks it in a
+fresh interpreter): the router imports it. transformers is imported inside the readers, since
+its Auto classes load torch when it is installed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# generation_config.json fields that become sampling defaults (vLLM applies the same ones).
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    """What the router needs of the served model (`read_model_info`)."""
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    # Sampling defaults from generation_config.json (vLLM applies them the same way).
+    generation_defaults: dict = field(default_factory=dict)
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def chat_template(self) -> str | None:
+        """The tokenizer's chat template (None: the model answers no chat requests)."""
+        return getattr(self.tokenizer, "chat_template", None)
+
+
+def has_tokenizer(model: str | Path) -> bool:
+    return any(Path(model, f).is_file() for f in _TOKENIZER_FILES)
+
+
+def load_tokenizer(model: str | Path, *, required: bool = False) -> Any:
+    """The model directory's tokenizer (`AutoTokenizer`, chat template included). Without
+    tokenizer files: None, or with `required` whatever error transformers raises."""
+    if not required and not has_tokenizer(model):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
+def load_hf_config(model: str | Path) -> Any:
+    """config.json through transformers' AutoConfig (4.x and 5.x keys both understood)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model))
+
+
+def context_window(hf_config: Any, cap: int | None, model: str | Path = "") -> int:
+    """The context window served: `max_position_embeddings`, lowered to `cap` when one is set
+    (a falsy cap is no cap). A config without it needs a cap, which is then the window."""
+    window = getattr(hf_config, "max_position_embeddings", None) or cap
+    if window is None:
+        raise ValueError(f"{model}: config has no max_position_embeddings; set max_model_len")
+    if cap:
+        window = min(window, cap)
+    return int(window)
+
+
+def _id_list(value: Any) -> list[int]:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def config_eos_token_ids(hf_config: Any) -> tuple[int, ...]:
+    """EOS ids as config.json states them (what the router's grammar compiler uses)."""
+    return tuple(_id_list(getattr(hf_config, "eos_token_id", None)))
+
+
+def eos_token_ids(model: str | Path, hf_config: Any) -> tuple[int, ...]:
+    """EOS ids the engine stops on: generation_config.json's (it may list several), then
+    config.json's, without repeats."""
+    ids: list[int] = []
+    gen = Path(model, "generation_config.json")
+    if gen.is_file():
+        ids += _id_list(json.loads(gen.read_text()).get("eos_token_id"))
+    ids += _id_list(getattr(hf_config, "eos_token_id", None))
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def generation_defaults(model: str | Path) -> dict:
+    """The sampling fields a model's generation_config.json sets (absent file: none)."""
+    path = Path(model, "generation_config.json")
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
+
+
+def read_model_info(model: str | Path, max_model_len: int | None = None) -> ModelInfo:
+    """Tokenizer, context window (capped by `max_model_len`), vocabulary size, EOS ids and
+    sampling defaults of the model directory. The tokenizer is required."""
+    tokenizer = load_tokenizer(model, required=True)
+    hf_config = load_hf_config(model)
+    window = context_window(hf_config, max_model_len, model)
+    vocab = getattr(hf_config, "vocab_size", None) or len(tokenizer)
+    return ModelInfo(
+        tokenizer,
+        window,
+        int(vocab),
+        generation_defaults(model),
+        config_eos_token_ids(hf_config),
+    )

@@ -1,0 +1,339 @@
+"""The decode worker's KV connector: continuous batching over requests from two sources.
+
+Local prefill: a `GenerateRequest` runs here from prompt to last token (short prompts; the
+router's conditional disaggregation). The loop handles it; this connector only counts it.
+
+Remote prefill (the default path), from this side. The engine's scheduler owns admission (one
+policy, one block pool, engine/scheduler.py); this connector decides which blocks to read and
+what a failure means, and its agent moves the bytes. One record per request
+(`RemoteTransfer`, in `DecodeConnector.requests`), by stage:
+
+    KVReady -> QUEUED: `LLMEngine.add_remote_request` (and a `handoff` TokenMessage tells the
+      router this worker owns the request now): queued with local requests, FIFO, until the
+      scheduler has a sequence slot and the prompt's blocks (natural backpressure: nothing is
+      admitted that cannot be held)
+    -> `on_remote_admitted(rid, blocks)` -> READING: handshake with the sender once per pair, a
+       NIXL READ into the blocks just allocated (engine state REMOTE_KV)
+    -> `ReadDone` -> `commit_remote`: the sequence joins the running batch at the next step
+       with the prefill worker's first token in place, streams tokens from index 1, and the
+       record ends (from here it is an ordinary sequence of the engine).
+  `ReadFailed` (peer died, lease expired, timeout), a lease that expired while the request
+  queued, or a transfer that cannot start: by policy the prompt is prefilled here
+  (`recompute_remote`, "recompute", the default) or the request fails ("error"); either way
+  the record ends. A request is never answered from KV that did not arrive whole. An
+  incompatible peer (`HandshakeError`) always fails: recomputing would hide a misconfiguration.
+
+Aborts (the router aborts both workers at once, so an abort can come at any point):
+  before KVReady  -> ABORTED_EARLY record (bounded, oldest forgotten first); the late KVReady
+                     ends it, is dropped, and the sender is told to release its blocks at once
+  QUEUED          -> the record ends, the engine drops the request (it holds no blocks) and
+                     the sender is told to release
+  READING         -> CANCELLING: the READ is cancelled; the blocks are freed on the
+                     `ReadFailed` (or a late `ReadDone`) that follows, never before (no READ
+                     can land in a reused block), and the record ends there
+  after ReadDone  -> an ordinary abort: the engine frees the blocks
+
+The split (vLLM v1's): this object is the scheduler-side half (records, which blocks to read,
+the failure policy, when blocks go back); the agent behind `KVReader` is the worker-side half
+(handshakes, READs, renewals, on its own thread). KV reuse belongs in `_read_plan`: read only
+the blocks the local prefix cache lacks. Tensor parallelism puts one reader per rank behind
+`KVReader`, a request done when every rank's reads are.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from engine.kv_connector import Handoff
+from engine.protocol import GenerateRequest, TokenMessage
+from engine.roles import DECODE
+from kv_transfer.errors import HandshakeError, PeerNotAllowedError, TransferError
+from kv_transfer.events import ReadDone, ReadFailed, TransferEvent, TransferStats
+from kv_transfer.messages import AgentMetadata, KVReady
+
+if TYPE_CHECKING:
+    from engine.engine_server import ConnectorHost
+
+log = logging.getLogger(__name__)
+FAILURE_POLICIES = ("recompute", "error")
+MAX_EARLY_ABORTS = 10_000
+
+
+class KVReader(Protocol):
+    """The receiver half of a `kv_transfer.agent.KVTransferAgent` (what this connector uses)."""
+
+    def connect(self, peer_metadata: AgentMetadata) -> None: ...
+
+    def start_read(
+        self,
+        request_id: str,
+        peer_name: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        lease_deadline: float,
+        sender_instance: str | None = None,
+    ) -> None: ...
+
+    def abort(self, request_id: str, peer_name: str | None = None) -> bool: ...
+
+    def poll(self) -> list[TransferEvent]: ...
+
+    def stats(self) -> TransferStats: ...
+
+    def close(self) -> None: ...
+
+
+class DecodeStage(enum.Enum):
+    ABORTED_EARLY = "aborted_early"  # an abort came first; the KVReady may still come
+    QUEUED = "queued"  # in the engine's queue: no blocks, no READ
+    READING = "reading"  # blocks allocated, READ in flight
+    CANCELLING = "cancelling"  # aborted during its READ: blocks freed when the READ is over
+
+
+@dataclass(slots=True)
+class RemoteTransfer:
+    """Everything this worker keeps for one request whose KV comes from a peer."""
+
+    request_id: str
+    stage: DecodeStage
+    ready: KVReady | None = None  # None only for ABORTED_EARLY
+    block_ids: list[int] = field(default_factory=list)  # READING: the local blocks filled
+
+
+class DecodeConnector:
+    """See the module docstring. Compose it with `engine.engine_server.EngineServer`."""
+
+    role = DECODE
+
+    def __init__(self, agent: KVReader, on_transfer_failure: str = "recompute"):
+        if on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
+        self.agent = agent
+        self.policy = on_transfer_failure
+        # In arrival order: the oldest ABORTED_EARLY records are forgotten first.
+        self.requests: dict[str, RemoteTransfer] = {}
+        self._counts = dict.fromkeys(DecodeStage, 0)  # records per stage: _begin/_move/_end
+        self.num_remote = 0
+        self.num_local = 0
+        self.num_recomputed = 0
+        self._host: ConnectorHost | None = None
+
+    def attach(self, host: ConnectorHost) -> None:
+        self._host = host
+
+    # -- records -----------------------------------------------------------------------------
+    def _begin(self, rec: RemoteTransfer) -> None:
+        self.requests[rec.request_id] = rec
+        self._counts[rec.stage] += 1
+
+    def _move(self, rec: RemoteTransfer, stage: DecodeStage) -> None:
+        self._counts[rec.stage] -= 1
+        self._counts[stage] += 1
+        rec.stage = stage
+
+    def _end(self, request_id: str) -> RemoteTransfer | None:
+        rec = self.requests.pop(request_id, None)
+        if rec is not None:
+            self._counts[rec.stage] -= 1
+        return rec
+
+    def num_in(self, *stages: DecodeStage) -> int:
+        """How many records are in any of `stages` (safe from another thread)."""
+        return sum(self._counts[s] for s in stages)
+
+    # -- frames ------------------------------------------------------------------------------
+    def handle(self, msg: Any) -> bool:
+        if isinstance(msg, KVReady):
+            self._queue_remote(msg)
+            return True
+        if isinstance(msg, GenerateRequest):
+            self.num_local += 1  # a local prefill: the loop runs it, the split is counted here
+        return False
+
+    def _queue_remote(self, msg: KVReady) -> None:
+        rid, host = msg.request_id, self._host
+        rec = self.requests.get(rid)
+        if rec is not None and rec.stage is DecodeStage.ABORTED_EARLY:
+            self._end(rid)  # aborted before its KV was offered: drop it now
+            self._release_on_sender(msg)
+            host.count_abort()
+            return
+        try:
+            choices = [tuple(c) for c in msg.choices] if msg.choices else None
+            host.engine.add_remote_request(
+                rid, msg.prompt_token_ids, msg.first_token, msg.sampling, choices
+            )
+        except ValueError as e:
+            self._release_on_sender(msg)
+            host.send_error(msg.reply_to, rid, str(e))
+            return
+        self._begin(RemoteTransfer(rid, DecodeStage.QUEUED, msg))
+        host.stream(rid, msg.reply_to, len(msg.choices) if msg.choices else 1)
+        # Tell the router this worker owns the request now (see router/pool.py).
+        host.send(
+            msg.reply_to,
+            TokenMessage(
+                request_id=rid, index=0, token_ids=[], worker_id=host.worker_id, handoff=True
+            ),
+        )
+
+    # -- the engine's calls ------------------------------------------------------------------
+    def on_prefilled(self, handoff: Handoff) -> bool:
+        return False  # a decode engine never hands KV on
+
+    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+        rec = self.requests[request_id]
+        msg = rec.ready
+        if time.time() >= msg.lease_deadline:
+            self._fallback(request_id, "its lease expired before this worker had room")
+            return
+        try:
+            self.agent.connect(msg.sender)
+        except PeerNotAllowedError as e:  # a stale incarnation or no registered peer
+            self._fallback(request_id, str(e))
+            return
+        except HandshakeError as e:  # incompatible peer: recomputing would hide a misconfig
+            self._fail(request_id, str(e))
+            return
+        except TransferError as e:
+            self._fallback(request_id, str(e))
+            return
+        rec.block_ids = list(block_ids)
+        remote, local = self._read_plan(rec)
+        try:
+            self.agent.start_read(
+                request_id,
+                msg.sender.name,
+                remote,
+                local,
+                msg.lease_deadline,
+                sender_instance=msg.sender.instance_id,
+            )
+        except TransferError as e:
+            self._release_on_sender(msg)  # no READ will come: the sender need not wait
+            self._fallback(request_id, str(e))
+            return
+        self._move(rec, DecodeStage.READING)
+
+    def _read_plan(self, rec: RemoteTransfer) -> tuple[list[int], list[int]]:
+        """(the sender's block ids, this worker's block ids) to READ: every block today. With
+        KV reuse the leading blocks the local prefix cache already holds drop out of both."""
+        return list(rec.ready.block_ids), rec.block_ids
+
+    # -- the loop's calls --------------------------------------------------------------------
+    def before_step(self) -> None:
+        for ev in self.agent.poll():
+            if isinstance(ev, ReadDone):
+                self._landed(ev.request_id)
+            elif isinstance(ev, ReadFailed):
+                self._read_failed(ev.request_id, ev.reason)
+
+    def after_step(self) -> None:
+        pass
+
+    def _landed(self, rid: str) -> None:
+        rec = self._end(rid)
+        if rec is None or rec.stage is not DecodeStage.READING:
+            self._host.engine.abort(rid)  # cancelled: the READ is over, the blocks go back
+            return
+        self.num_remote += 1
+        self._host.publish(self._host.engine.commit_remote(rid))
+
+    def _read_failed(self, rid: str, reason: str) -> None:
+        rec = self.requests.get(rid)
+        if rec is None or rec.stage is not DecodeStage.READING:
+            self._end(rid)
+            self._host.engine.abort(rid)  # the READ is over: the blocks can be reused
+            self._host.forget(rid)
+            return
+        self._fallback(rid, f"KV transfer from {rec.ready.prefill_worker_id} failed: {reason}")
+
+    def _fallback(self, rid: str, why: str) -> None:
+        """No READ is in flight for `rid` (none started, or it is over): recompute or fail."""
+        log.warning("%s: %s: %s", self._host.worker_id, rid, why)
+        if self.policy == "recompute":
+            self._end(rid)
+            self._host.engine.recompute_remote(rid)
+            self.num_recomputed += 1
+            return
+        self._fail(rid, why)
+
+    def _fail(self, rid: str, why: str) -> None:
+        rec = self._end(rid)
+        self._host.engine.abort(rid)
+        self._host.forget(rid)
+        self._host.send_error(rec.ready.reply_to, rid, why)
+
+    def _release_on_sender(self, msg: KVReady) -> None:
+        """Tell the prefill worker now that its blocks will not be read (else the lease
+        would hold them until it expires)."""
+        try:
+            self.agent.connect(msg.sender)
+        except (HandshakeError, TransferError) as e:
+            log.warning(
+                "%s: cannot reach %s to release %s: %s",
+                self._host.worker_id,
+                msg.sender.name,
+                msg.request_id,
+                e,
+            )
+        self.agent.abort(msg.request_id, peer_name=msg.sender.name)
+
+    # -- aborts ------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        rec = self.requests.get(request_id)
+        if rec is None or rec.stage is DecodeStage.ABORTED_EARLY:
+            return False
+        if rec.stage is DecodeStage.QUEUED:  # no blocks, no READ: the engine drops it
+            self._end(request_id)
+            self._release_on_sender(rec.ready)
+            return False
+        self._move(rec, DecodeStage.CANCELLING)
+        self.agent.abort(request_id)  # blocks are freed when the READ is over
+        return True
+
+    def abort_unknown(self, request_id: str) -> None:
+        """Neither this connector nor the engine knows `request_id`: its KVReady may still be
+        on its way from the prefill worker (or it finished already: then nothing comes)."""
+        if request_id in self.requests:
+            return
+        self._begin(RemoteTransfer(request_id, DecodeStage.ABORTED_EARLY))
+        if self._counts[DecodeStage.ABORTED_EARLY] > MAX_EARLY_ABORTS:
+            oldest = next(
+                r for r, x in self.requests.items() if x.stage is DecodeStage.ABORTED_EARLY
+            )
+            self._end(oldest)
+
+    def request_finished(self, request_id: str) -> None:
+        pass  # a request finishes only after its record ended (committed or recomputed)
+
+    def has_pending_work(self) -> bool:
+        return self.num_in(DecodeStage.READING, DecodeStage.CANCELLING) > 0
+
+    def holds_nothing(self) -> bool:
+        return self.num_in(DecodeStage.QUEUED, DecodeStage.READING, DecodeStage.CANCELLING) == 0
+
+    # -- load report -------------------------------------------------------------------------
+    def extra_load(self) -> dict:
+        st = self.agent.stats()
+        return {
+            "incoming": self.num_in(DecodeStage.QUEUED),
+            "reading": self.num_in(DecodeStage.READING, DecodeStage.CANCELLING),
+            "remote_prefills": self.num_remote,
+            "local_prefills": self.num_local,
+            "recomputed": self.num_recomputed,
+            "transfer_bytes": st.bytes_read,
+            "transfer_seconds": st.seconds,
+            "transfer_failures": st.failures,
+            "expired_leases": st.expired_leases,
+            "transfer_gbps": st.gbps,
+            "refused_peers": st.refused_peers,
+            "rejected_frames": st.rejected_frames,
+        }
+
+    def close(self) -> None:
+        self.agent.close()

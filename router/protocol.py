@@ -1,0 +1,597 @@
+"""The bodies of the router's HTTP API as pydantic v2 models: the one definition of what a
+request may hold, validated straight from its bytes, and the source of /openapi.json.
+
+Lifecycle of a request body: bytes (router/body.py: read with a deadline, size and lone-surrogate
+checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an int, a string
+not a number; every bound here, the sampling ones imported from engine.sampling_params; token ids
+within the vocabulary) -> router/openai_api.py turns the model into a `ParsedRequest` (tokenizer,
+chat template, context window, structured-output compile). A `ValidationError` becomes one 4xx by
+`api_error`: the first error in this order, so a body with several mistakes is always told the same:
+
+1. the body is not JSON, or not a JSON object (400 `invalid_json`);
+2. `model` names another model (404 `model_not_found`);
+3. an unknown top-level field where unknown fields are refused (/tokenize, /detokenize);
+4. the fields in declaration order (inside a field: its items in order, then its own checks);
+5. the rules across fields (the model validators, in the order written);
+6. the checks that need the tokenizer or the engine (router/openai_api.py).
+
+Unknown top-level fields of the generation routes are kept (`extra="allow"`) and named back in
+`X-Tandem-Ignored-Fields`; OpenAI fields tandem does not serve are refused by name (`REFUSED`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    Tag,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from engine.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_N,
+    PENALTY_RANGE,
+    REPETITION_PENALTY_MAX,
+    SEED_RANGE,
+    TEMPERATURE_MAX,
+)
+from router.tools import validate_tools
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+REFUSED = {
+    "suffix": "insertion (suffix) is not supported by these models",
+    "functions": "the legacy 'functions' field is not supported; use 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
+    "spaces_between_special_tokens": "only the default (true) is supported",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The served model, as validation sees it (the `context` of every validate call)."""
+
+    served_model_name: str
+    vocab_size: int
+    max_model_len: int
+
+
+def fail(predicate: str, code: str = "invalid_value", **ctx: Any) -> PydanticCustomError:
+    """A validation error; `predicate` follows the field's path (`whole=True`: it is the whole
+    message), `code` becomes the error body's code, `param` / `status` override."""
+    return PydanticCustomError(code, "{predicate}", {"predicate": predicate, **ctx})
+
+
+def _limits(info: ValidationInfo) -> Limits | None:
+    return info.context if isinstance(info.context, Limits) else None
+
+
+# ------------------------------------------------------------------ field types
+
+_JSON_TYPES = {str: "<string>", list: "<array>", dict: "<object>", int: "<integer>"}
+
+
+def one_of(what: str, **branches: Any) -> Any:
+    """A union picked by the value's JSON type (string, array, object, integer), so an error
+    names one branch; a value of another type `must be {what}`. Tags are `<type>`, which
+    `api_error` leaves out of paths."""
+    members = tuple(Annotated[t, Tag(f"<{k}>")] for k, t in branches.items())
+    pick = Discriminator(
+        lambda v: _JSON_TYPES.get(type(v)),
+        custom_error_type="invalid_value",
+        custom_error_message=f"must be {what}",
+    )
+    return Annotated[Union[members], pick]  # noqa: UP007 - a runtime tuple of members
+
+
+def _token_id(value: int, info: ValidationInfo) -> int:
+    limits = _limits(info)
+    vocab = limits.vocab_size if limits else None
+    if value < 0 or (vocab is not None and value >= vocab):
+        raise fail(
+            f"holds token id {value}, outside the vocabulary [0, {vocab})", "invalid_token_id"
+        )
+    return value
+
+
+TokenId = Annotated[int, AfterValidator(_token_id), Field(json_schema_extra={"minimum": 0})]
+Text = Annotated[str, Field(min_length=1)]
+Count = Annotated[int, Field(ge=0)]
+
+
+def _prompt(value: Any, info: ValidationInfo) -> list[str | list[int]]:
+    """A string, token ids, or a batch of either -> the batch."""
+    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
+        if len(value) > MAX_N:
+            raise fail(f"at most {MAX_N} prompts per request", whole=True)
+        return [_one_prompt(p, info) for p in value]
+    return [_one_prompt(value, info)]
+
+
+def _one_prompt(prompt: Any, info: ValidationInfo) -> str | list[int]:
+    if not isinstance(prompt, str | list):
+        raise fail("prompt must be a string, a list of token ids, or a list of either", whole=True)
+    if not prompt:
+        raise fail("prompt must not be empty", "empty_prompt", whole=True)
+    if isinstance(prompt, str):
+        return prompt
+    limits = _limits(info)
+    vocab = limits.vocab_size if limits else 1 << 62
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise fail(f"prompt must contain only integers, got {t!r:.40}", whole=True)
+        if not 0 <= t < vocab:
+            message = f"token id {t} in prompt is outside the vocabulary [0, {vocab})"
+            raise fail(message, "invalid_token_id", whole=True)
+    return prompt
+
+
+_PROMPT_SCHEMA = Union[  # noqa: UP007
+    Text,
+    Annotated[list[Count], Field(min_length=1)],
+    Annotated[
+        list[Text | Annotated[list[Count], Field(min_length=1)]],
+        Field(min_length=1, max_length=MAX_N),
+    ],
+]
+Prompt = Annotated[Any, PlainValidator(_prompt, json_schema_input_type=_PROMPT_SCHEMA)]
+
+
+def _schema_text(value: dict | str) -> str:
+    """A JSON schema (an object, or its JSON text) -> its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
+            raise fail(f"is not valid JSON: {e}") from e
+        if not isinstance(value, dict | bool):
+            raise fail("must be a JSON schema object")
+    return json.dumps(value)
+
+
+JsonSchemaText = Annotated[
+    one_of("a JSON schema object or its JSON text", object=dict[str, Any], string=str),
+    AfterValidator(_schema_text),
+]
+
+
+def _refused(name: str) -> Any:
+    """A field tandem refuses unless it is left at its default."""
+    defaults: list[Any] = (
+        [True, None] if name == "spaces_between_special_tokens" else [None, "", []]
+    )
+
+    def check(value: Any) -> Any:
+        if not any(value == d and type(value) is type(d) for d in defaults):
+            raise fail(f"'{name}': {REFUSED[name]}", whole=True)
+        return value
+
+    why = f"refused with a 400 unless left at its default: {REFUSED[name]}"
+    schema = {"enum": defaults, "deprecated": True, "description": why}
+    return Annotated[Any, PlainValidator(check), WithJsonSchema(schema)]
+
+
+def _served_model(value: str | None, info: ValidationInfo) -> str | None:
+    limits = _limits(info)
+    if value is not None and limits is not None and value != limits.served_model_name:
+        served = limits.served_model_name
+        message = f"The model `{value}` does not exist; this server serves `{served}`."
+        raise fail(message, "model_not_found", whole=True, status=404)
+    return value
+
+
+ModelName = Annotated[
+    str | None,
+    AfterValidator(_served_model),
+    Field(description="the served model (GET /v1/models); another name is a 404"),
+]
+
+
+def flag(description: str) -> Any:
+    return Field(None, description=description)
+
+
+# ------------------------------------------------------------------ parts of requests
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Open(BaseModel):
+    """Unknown keys are kept (and passed on where the object is passed on)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Open):
+    """Only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
+
+
+def _arguments(value: dict | str) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
+            raise fail(f"are not JSON: {e}") from e
+    return value
+
+
+class CalledFunction(_Open):
+    name: str
+    arguments: Annotated[
+        one_of("JSON text or an object", string=str, object=dict[str, Any]),
+        AfterValidator(_arguments),
+        Field(examples=['{"city": "Paris"}', {"city": "Paris"}]),
+    ] = "{}"
+
+
+class ToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: CalledFunction
+
+
+class ChatMessage(StrictModel):
+    role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
+    content: one_of("a string or a list of text parts", string=str, array=list[TextPart]) | None = (
+        None  # noqa: E501
+    )
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    refusal: Any = Field(None, description="OpenAI's refusal text: accepted, not used")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (tool-call arguments as objects)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump(exclude_unset=True) for c in self.tool_calls]
+        return out
+
+
+class FunctionParameters(_Open):
+    """A JSON schema of the arguments (an object schema)."""
+
+    type: Literal["object"] = "object"
+
+
+class FunctionDefinition(_Open):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    parameters: FunctionParameters | None = None
+    strict: bool | None = None
+
+
+class Tool(_Open):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = one_of(
+    "a string or an object",
+    string=Literal["none", "auto", "required"],
+    object=NamedToolChoice,
+)
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = flag("a last chunk with the usage")
+
+
+class JsonSchemaSpec(_Open):
+    name: str | None = None
+    schema_: JsonSchemaText = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _holds_its_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise fail("json_schema needs {'json_schema': {'name', 'schema'}}")
+        return self
+
+    def spec(self) -> tuple[str, str] | None:
+        if self.type == "json_schema":
+            return ("json_schema", self.json_schema.schema_)  # type: ignore[union-attr]
+        return ("json_object", "") if self.type == "json_object" else None
+
+
+_GUIDED_EXAMPLES = {
+    "json": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+             '{"type": "string", "maxLength": 8}'],
+    "regex": ["[a-z]{1,8}", "(yes|no)"],
+    "choice": [["yes", "no"], ["a", "b"]],
+    "grammar": ['start: "yes" | "no"'],
+}  # fmt: skip
+GuidedJson = Annotated[JsonSchemaText | None, Field(examples=_GUIDED_EXAMPLES["json"])]
+GuidedRegex = Annotated[Text | None, Field(examples=_GUIDED_EXAMPLES["regex"])]
+GuidedChoice = Annotated[
+    Annotated[list[str], Field(min_length=1)] | None, Field(examples=_GUIDED_EXAMPLES["choice"])
+]
+GuidedGrammar = Annotated[Text | None, Field(examples=_GUIDED_EXAMPLES["grammar"])]
+
+
+class StructuredOutputs(_Open):
+    """vLLM's form of guided_*: when set, the top-level guided_* are not read."""
+
+    json_: GuidedJson = Field(None, alias="json")
+    regex: GuidedRegex = None
+    choice: GuidedChoice = None
+    grammar: GuidedGrammar = None
+
+
+# ------------------------------------------------------------------ request bodies
+
+Temperature = Annotated[float, Field(ge=0, le=TEMPERATURE_MAX, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
+Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
+
+
+def _bias_key(key: str, info: ValidationInfo) -> str:
+    limits = _limits(info)
+    if limits is not None and int(key) >= limits.vocab_size:
+        message = f"logit_bias token id {key} is outside the vocabulary [0, {limits.vocab_size})"
+        raise fail(message, whole=True)
+    return key
+
+
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern="^[0-9]+$"), AfterValidator(_bias_key)], Bias],
+    Field(max_length=MAX_LOGIT_BIAS_ENTRIES),
+]
+Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+
+
+def _requires(field: str, flag: str) -> dict:
+    """JSON schema: `field` set (not null) only together with `flag: true`."""
+    return {
+        "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
+        "then": {"required": [flag], "properties": {flag: {"const": True}}},
+    }
+
+
+class _Request(_Open):
+    """The fields both generation routes take, and the rules across them."""
+
+    model: ModelName = None
+    spaces_between_special_tokens: _refused("spaces_between_special_tokens") = None
+    temperature: Temperature | None = flag("0 is greedy; default from generation_config.json")
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = flag("nucleus sampling mass")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = Field(1, description="choices per prompt")
+    stream: bool | None = flag("answer as server-sent events ending in `data: [DONE]`")
+    stream_options: StreamOptions | None = flag("only with stream: true")
+    stop: one_of("a string or a list of strings", string=Text, array=list[Text]) | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: LogitBias | None = Field(None, examples=[{"15": 5.0, "42": -100}, {}])
+    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
+    user: Any = Field(None, description="OpenAI's end-user id: accepted, not used")
+    top_k: Annotated[int, Field(ge=-1)] | None = flag("-1 or 0: off")
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, le=REPETITION_PENALTY_MAX)] | None = None
+    min_tokens: Count | None = flag("EOS and stop token ids are masked until this many tokens")
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    add_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = Field(
+        None,
+        examples=[
+            {"type": "text"},
+            {"type": "json_object"},
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+        ],
+    )
+    guided_json: GuidedJson = None
+    guided_regex: GuidedRegex = None
+    guided_choice: GuidedChoice = None
+    guided_grammar: GuidedGrammar = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, examples=[{"choice": ["yes", "no"]}, {"regex": "[0-9]{2}"}]
+    )
+    prompt_logprobs: Logprobs | None = None
+    # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.
+    _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _across_fields(self, info: ValidationInfo) -> _Request:
+        if self.stream_options is not None and not self.stream:
+            message = "stream_options is only allowed when stream is true"
+            raise fail(message, whole=True, param="stream_options")
+        limits = _limits(info)
+        if limits is not None and (self.min_tokens or 0) > limits.max_model_len:
+            message = f"'min_tokens' must be an integer in [0, {limits.max_model_len}]"
+            raise fail(message, whole=True, param="min_tokens")
+        specs = self._structured_specs()
+        if len(specs) > 1:
+            names = [p for p, _ in specs]
+            message = f"only one structured output constraint per request, got {names}"
+            raise fail(message, whole=True, param=names[1])
+        self._structured = specs[0] if specs else None
+        return self
+
+    def _structured_specs(self) -> list[tuple[str, tuple[str, str]]]:
+        spec = self.response_format.spec() if self.response_format else None
+        specs = [("response_format", spec)] if spec else []
+        so = self.structured_outputs
+        guided = (so.json_, so.regex, so.choice, so.grammar) if so else (
+            self.guided_json, self.guided_regex, self.guided_choice, self.guided_grammar
+        )  # fmt: skip
+        for name, kind, value in zip(_GUIDED_EXAMPLES, _GUIDED_KINDS, guided, strict=True):
+            if value is not None:
+                param = "structured_outputs" if so else f"guided_{name}"
+                specs.append((param, (kind, json.dumps(value) if kind == "choice" else value)))
+        return specs
+
+
+_GUIDED_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+class CompletionRequest(_Request):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                _requires("stream_options", "stream"),
+                {  # max_tokens 0 only with echo: the prompt alone, nothing generated
+                    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
+                    "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
+                },
+            ]
+        }
+    )
+
+    prompt: Prompt = Field(description="a string, token ids, or a batch of either")
+    suffix: _refused("suffix") = None
+    max_tokens: Annotated[int, Field(json_schema_extra={"minimum": 0})] | None = flag(
+        "tokens to generate; 0 only with echo: true"
+    )
+    logprobs: Logprobs | None = flag("top log-probabilities per generated token")
+    echo: bool | None = flag("the prompt (and its logprobs) before the answer")
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = flag("answer the n most likely")
+
+    @model_validator(mode="after")
+    def _completion_rules(self) -> CompletionRequest:
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            message = f"'max_tokens' must be at least 1, got {self.max_tokens}"
+            raise fail(message, whole=True, param="max_tokens")
+        if self.best_of is not None and self.best_of < self.n:
+            message = f"best_of ({self.best_of}) must be >= n ({self.n})"
+            raise fail(message, whole=True, param="best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise fail("best_of > n cannot be streamed", whole=True, param="best_of")
+        return self
+
+
+def _non_empty(messages: list[ChatMessage]) -> list[ChatMessage]:
+    if not messages:
+        raise fail("must not be empty", "empty_prompt")
+    return messages
+
+
+Messages = Annotated[
+    list[ChatMessage], AfterValidator(_non_empty), Field(json_schema_extra={"minItems": 1})
+]
+
+
+def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    # A template from the request would run a client's Jinja in the router (vLLM refuses it
+    # too unless told to trust request templates).
+    if "chat_template" in kwargs or "tokenize" in kwargs:
+        raise fail("may not set 'chat_template' or 'tokenize'")
+    return kwargs
+
+
+_WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+_BOTH = {"continue_final_message": {"const": True}, "add_generation_prompt": {"const": True}}
+
+
+class ChatCompletionRequest(_Request):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                _requires("stream_options", "stream"),
+                _requires("top_logprobs", "logprobs"),
+                {"not": {"required": list(_BOTH), "properties": _BOTH}},
+            ]
+        }
+    )
+
+    messages: Messages
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = flag("wins over max_tokens")
+    logprobs: bool | None = flag("log-probabilities of the generated tokens")
+    top_logprobs: Logprobs | None = flag("alternatives per token; needs logprobs")
+    tools: list[Tool] | None = Field(None, examples=[[{"type": "function", "function": {
+        "name": "get_weather", "parameters": _WEATHER}}]])  # fmt: skip
+    tool_choice: ToolChoice | None = Field(None, examples=["none", "auto", None])
+    parallel_tool_calls: Any = Field(None, description="accepted, not used")
+    add_generation_prompt: bool | None = flag("end with the assistant turn's opening")
+    continue_final_message: bool | None = flag("continue the last (assistant) message")
+    echo: bool | None = flag("start the answer with the last assistant message's content")
+    chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] | None = (
+        Field(None, examples=[{}, {"enable_thinking": False}])
+    )
+    functions: _refused("functions") = None
+    function_call: _refused("function_call") = None
+    # The tools as plain dicts for the template, and the choice ("auto" when tools come alone).
+    _tools: list[dict] | None = PrivateAttr(None)
+    _tool_choice: Any = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise fail("'top_logprobs' needs 'logprobs': true", whole=True, param="top_logprobs")
+        self._check_tools()
+        cont = bool(self.continue_final_message)
+        if cont and self.add_generation_prompt:
+            message = "continue_final_message and add_generation_prompt cannot both be true"
+            raise fail(message, whole=True, param="continue_final_message")
+        if cont and self.messages[-1].role != "assistant":
+            message = "continue_final_message needs the last message to be the assistant's"
+            raise fail(message, whole=True, param="continue_final_message")
+        return self
+
+    def _check_tools(self) -> None:
+        from router.tools import tool_choice_constraint
+
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none", "auto"):
+                raise fail("'tool_choice' needs 'tools'", whole=True, param="tool_choice")
+            return
+        tools = [t.model_dump(exclude_unset=True) for t in self.tools]
+        choice = "auto" if choice is None else choice
+        choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
+        try:
+            validate_tools(tools, choice)  # names unique, a named choice is one of them
+            forced = tool_choice_constraint(tools, choice)
+        except ValueError as e:
+            param = "tool_choice" if "tool_choice" in str(e) else "tools"
+            raise fail(str(e), whole=True, param=param) from e
+        if forced is not None and self._structured is not None:
+            message = "a forced tool_choice cannot be combined with another structured output"
+            raise fail(message + " constraint", whole=True, param="tool_choice")
+        if forced is not None:
+            self._structured = ("tools", forced)
+        self._tools, self._tool_choice = tools, choice
