@@ -4,10 +4,10 @@
 server answers it at `GET /openapi.json`. Request bodies are router/protocol.py's models, answers
 the models below (the router writes them in router/responses.py; of OpenAI's completion objects
 only the fields every client reads, OpenAI's reference being `externalDocs`), all under
-components/schemas (`models_json_schema` with a `#/components/schemas/` ref template). What a JSON schema cannot say (the prompt must fit the
-window, token ids must be below the vocabulary, a structured-output spec must compile, ...) is
-listed per operation under `x-tandem-checks`, {field: rule}; such a request gets a 400 naming
-the field.
+components/schemas (`models_json_schema` with a `#/components/schemas/` ref template). What a
+JSON schema cannot say (the prompt must fit the window, token ids must be below the vocabulary,
+a structured-output spec must compile, ...) is listed per operation under `x-tandem-checks`,
+{field: rule}; such a request gets a 400 naming the field.
 """
 
 from __future__ import annotations
