@@ -2,12 +2,14 @@
 
 Lifecycle: route (decode worker, local or remote prefill; counted) -> register a token queue ->
 send GenerateRequest or PrefillRequest -> wait for TokenMessages, failing the request when an
-index gap outlives `token_gap_timeout_s` or the request outlives `request_timeout_s` -> deliver
-them in index order, per choice (a request with n > 1 streams n choices, each with its own
-reorder buffer and detokenizer) -> detokenize, apply stop strings and the token limit -> yield
-`Piece`s until every choice has finished. Whatever way it ends before the workers said they finished
-(stop string, error, timeout, or the caller closing the generator because the client went
-away), AbortRequest goes to every worker involved.
+index gap outlives `token_gap_timeout_s` or the request outlives `request_timeout_s` -> put
+them in index order per choice (`TokenReorderBuffer`; a request with n > 1 streams n choices,
+each with its own reorder buffer and detokenizer) -> detokenize, apply stop strings and the
+token limit -> yield `Piece`s until every choice has finished. One record per token batch from
+the socket to the detokenizer: the worker's `TokenMessage` itself (trimmed when it overlaps
+what was delivered), then the `Piece` carrying its text. Whatever way it ends before the
+workers said they finished (stop string, error, timeout, or the caller closing the generator
+because the client went away), AbortRequest goes to every worker involved.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from msgspec.structs import replace
+
 from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
 from router.config import RouterConfig
 from router.dataplane import DataPlane, SendError
@@ -28,7 +32,6 @@ from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest
 from router.policy import LOCAL, NoWorkersError, RoutePlan
 from router.pool import WorkerPool
-from router.reorder import Delivery, ReorderError, TokenReorderBuffer
 from router.responses import Placement
 from router.signal_recorder import SignalRecorder
 
@@ -47,6 +50,96 @@ class Piece:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+
+
+# ------------------------------------------------------------------ in-order delivery
+
+MAX_BUFFERED = 4096
+
+
+class ReorderError(RuntimeError):
+    pass
+
+
+class TokenReorderBuffer:
+    """Merges one choice's TokenMessages into one in-order stream.
+
+    The first token comes from the prefill worker and the rest from the decode worker over
+    different sockets, so messages can arrive out of order or twice. `push` takes one message
+    and returns the messages that are now in order, each one the worker's own record (trimmed
+    to its new tokens when it overlaps the delivered prefix):
+
+    - index == next expected: delivered, then any buffered messages that became contiguous;
+    - index  > next expected: buffered; the gap's start time is kept so the caller can fail the
+      request once the gap outlives its deadline (`gap_deadline`);
+    - entirely below next expected: a duplicate, dropped (`num_duplicates`);
+    - finish_reason "error" or "abort" ends the request at once, whatever its index (a failing
+      worker does not know how far the stream got), delivered without tokens.
+    """
+
+    def __init__(self) -> None:
+        self.next_index = 0
+        self.finished = False
+        self.num_duplicates = 0
+        self._pending: dict[int, TokenMessage] = {}
+        self._gap_since: float | None = None
+
+    @property
+    def num_buffered(self) -> int:
+        return len(self._pending)
+
+    def gap_deadline(self, timeout_s: float) -> float | None:
+        return None if self._gap_since is None else self._gap_since + timeout_s
+
+    def push(self, msg: TokenMessage, now: float) -> list[TokenMessage]:
+        if self.finished:
+            return []
+        if msg.finish_reason in ("error", "abort"):
+            self.finished = True
+            self._pending.clear()
+            return [replace(msg, token_ids=[], logprobs=None)]
+        if msg.index > self.next_index:
+            if msg.index in self._pending:
+                self.num_duplicates += 1
+            else:
+                if len(self._pending) >= MAX_BUFFERED:
+                    raise ReorderError(f"more than {MAX_BUFFERED} out-of-order token messages")
+                self._pending[msg.index] = msg
+                if self._gap_since is None:
+                    self._gap_since = now
+            return []
+        out: list[TokenMessage] = []
+        self._take(msg, out)
+        while not self.finished and self._pending:
+            ready = [i for i in self._pending if i <= self.next_index]
+            if not ready:
+                break
+            for i in sorted(ready):
+                if self.finished:
+                    break
+                self._take(self._pending.pop(i), out)
+        if self.finished:
+            self._pending.clear()
+        # A gap that remains after progress is a new gap: its clock starts now.
+        self._gap_since = None if not self._pending else (now if out else self._gap_since)
+        return out
+
+    def _take(self, msg: TokenMessage, out: list[TokenMessage]) -> None:
+        skip = self.next_index - msg.index  # >= 0: tokens already delivered
+        end = msg.index + len(msg.token_ids)
+        # An empty (or fully repeated) message still counts when it closes the stream exactly
+        # where we are.
+        if end <= self.next_index and not (msg.finish_reason and end == self.next_index):
+            self.num_duplicates += 1
+            return
+        if skip:  # overlaps the delivered prefix: keep only its new tokens
+            logprobs = None if msg.logprobs is None else msg.logprobs[skip:]
+            tokens = msg.token_ids[skip:]
+            msg = replace(msg, index=self.next_index, token_ids=tokens, logprobs=logprobs)
+        self.next_index = max(self.next_index, end)
+        if msg.finish_reason is not None:
+            self.finished = True
+        out.append(msg)
 
 
 class ChoiceState:
@@ -107,9 +200,9 @@ class Generation:
         try:
             await self._dispatch(plan)
             while True:
-                choice, deliveries = await self._next_deliveries(queue)
-                for delivery in deliveries:
-                    piece = self._deliver(delivery, plan, choice)
+                choice, messages = await self._next_in_order(queue)
+                for msg in messages:
+                    piece = self._deliver(msg, plan, choice)
                     yield piece
                     if all(c.done for c in self.choices):
                         self._observe_end()
@@ -162,9 +255,9 @@ class Generation:
         ]
         return min(deadlines, default=None)
 
-    async def _next_deliveries(
+    async def _next_in_order(
         self, queue: asyncio.Queue[TokenMessage]
-    ) -> tuple[ChoiceState, list[Delivery]]:
+    ) -> tuple[ChoiceState, list[TokenMessage]]:
         """Wait for the next message within the deadlines; its choice and what it made
         deliverable, in order (often nothing: a message ahead of a gap is only buffered)."""
         loop = asyncio.get_running_loop()
@@ -200,7 +293,7 @@ class Generation:
             except ReorderError as e:
                 raise APIError(500, f"request {self.rid}: {e}", code="token_reorder") from e
 
-    def _deliver(self, d: Delivery, plan: RoutePlan, choice: ChoiceState) -> Piece:
+    def _deliver(self, d: TokenMessage, plan: RoutePlan, choice: ChoiceState) -> Piece:
         """Account for one in-order delivery of a choice and turn it into text (raises on a
         worker's error or abort)."""
         if d.finish_reason in ("error", "abort"):
@@ -236,7 +329,7 @@ class Generation:
         self._workers_done = all(c.reorder.finished for c in self.choices)
         return Piece(text, len(tokens), finish, index, tokens, logprobs, d.prompt_logprobs)
 
-    def _worker_failure(self, d: Delivery) -> APIError:
+    def _worker_failure(self, d: TokenMessage) -> APIError:
         self.ctx.metrics.finished.labels(finish_reason=d.finish_reason).inc()
         worker = d.worker_id or "?"
         if d.finish_reason == "error":

@@ -2,12 +2,12 @@
 
 `openapi_document(served_model_name)` returns a fresh dict on every call (pure: no I/O); the
 server answers it at `GET /openapi.json`. Request bodies are router/protocol.py's models, answers
-the models below (what /openapi.json documents of them; the router writes them in
-router/responses.py), all under components/schemas (`Model.model_json_schema` with a
-`#/components/schemas/` ref template). What a JSON schema cannot say (the prompt must fit the
-window, token ids must be below the vocabulary, a structured-output spec must compile, ...) is
-listed per operation under `x-tandem-checks`, {field: rule}; such a request gets a 400 naming
-the field.
+the models below (the router writes them in router/responses.py; of OpenAI's completion objects
+only the fields every client reads, OpenAI's reference being `externalDocs`), all under
+components/schemas (`models_json_schema` with a `#/components/schemas/` ref template). What a
+JSON schema cannot say (the prompt must fit the window, token ids must be below the vocabulary,
+a structured-output spec must compile, ...) is listed per operation under `x-tandem-checks`,
+{field: rule}; such a request gets a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from router.utility_routes import DetokenizeRequest, TokenizeRequest
 
 OPENAPI_VERSION = "3.1.0"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+OPENAI_REFERENCE = "https://platform.openai.com/docs/api-reference"
 _REF = "#/components/schemas/{model}"
 _BODY_LIMIT = "the router's --max-body-bytes (8 MiB by default)"
 
@@ -51,41 +52,23 @@ class Usage(BaseModel):
     total_tokens: Count
 
 
-class _Answer(BaseModel):
+class Choice(BaseModel, extra="allow"):
+    """`text` (completions) or `message` (chat), `logprobs`: OpenAI's (externalDocs)."""
+
+    index: Count
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """OpenAI's text_completion or chat.completion object: the fields every client reads."""
+
     id: str
+    object: Literal["text_completion", "chat.completion"]
     created: int
     model: str
+    choices: list[Choice]
     usage: Usage
-    tandem: dict[str, Any] = Field(None, description="where the request ran")
-
-
-class CompletionChoice(BaseModel):
-    index: Count
-    text: str
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
-
-
-class Completion(_Answer):
-    object: Literal["text_completion"]
-    choices: list[CompletionChoice]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None = None
-
-
-class ChatChoice(BaseModel):
-    index: Count
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletion(_Answer):
-    object: Literal["chat.completion"]
-    choices: list[ChatChoice]
+    tandem: dict[str, str] = Field(None, description="where the request ran")
 
 
 class ModelCard(BaseModel):
@@ -132,8 +115,7 @@ class Version(BaseModel):
 
 _MODELS = (
     CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorBody,
-    Completion, ChatCompletion, ModelList, Health, Readiness, TokenizeResponse,
-    DetokenizeResponse, Version,
+    Completion, ModelList, Health, Readiness, TokenizeResponse, DetokenizeResponse, Version,
 )  # fmt: skip
 
 
@@ -154,18 +136,9 @@ _SHARED_CHECKS = {
     "min_tokens": "at most max_model_len",
     "stop_token_ids": "token ids below the vocabulary size",
     "logit_bias": "token ids below the vocabulary size",
-    **dict.fromkeys(
-        (
-            "response_format",
-            "structured_outputs",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-        ),
-        _STRUCTURED_RULE,
-    ),  # fmt: skip
-}
+    **dict.fromkeys(("response_format", "structured_outputs", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar"), _STRUCTURED_RULE),
+}  # fmt: skip
 COMPLETION_CHECKS = {
     **_SHARED_CHECKS,
     "prompt": "each prompt fits in max_model_len with max_tokens; token ids below the "
@@ -227,6 +200,7 @@ def openapi_document(served_model_name: str) -> dict:
                 f"Bodies are read as JSON whatever their Content-Type, up to {_BODY_LIMIT}."
             ),
         },
+        "externalDocs": {"description": "OpenAI's API reference", "url": OPENAI_REFERENCE},
         "components": {
             "schemas": schemas,
             "responses": {
@@ -304,31 +278,21 @@ def _paths() -> dict:
     prometheus = {"description": "Prometheus text", "content": {"text/plain": {"schema": {
         "type": "string"}}}}  # fmt: skip
     utility = (400, 401, 404, 408, 413)
+    ids = _json("TokenizeResponse", "the prompt's token ids")
+    text = _json("DetokenizeResponse", "the ids' text")
     return {
         "/v1/completions": _generation(
             "createCompletion", "CompletionRequest", "Completion", COMPLETION_CHECKS
         ),
         "/v1/chat/completions": _generation(
-            "createChatCompletion", "ChatCompletionRequest", "ChatCompletion", CHAT_CHECKS
+            "createChatCompletion", "ChatCompletionRequest", "Completion", CHAT_CHECKS
         ),
         "/v1/models": _get("listModels", _json("ModelList", "the served model")),
         "/health": _probe("health", "liveness: the router serves"),
         "/ready": _probe("ready", "readiness: a decode-capable worker is up, not draining"),
         "/metrics": _get("metrics", prometheus),
         "/openapi.json": _get("openapi", _json(None, "this document")),
-        "/tokenize": _post(
-            "tokenize",
-            "TokenizeRequest",
-            _json("TokenizeResponse", "the prompt's token ids"),
-            utility,
-            TOKENIZE_CHECKS,
-        ),  # fmt: skip
-        "/detokenize": _post(
-            "detokenize",
-            "DetokenizeRequest",
-            _json("DetokenizeResponse", "the ids' text"),
-            utility,
-            DETOKENIZE_CHECKS,
-        ),  # fmt: skip
+        "/tokenize": _post("tokenize", "TokenizeRequest", ids, utility, TOKENIZE_CHECKS),
+        "/detokenize": _post("detokenize", "DetokenizeRequest", text, utility, DETOKENIZE_CHECKS),
         "/version": _get("version", _json("Version", "tandem's version")),
     }

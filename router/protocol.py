@@ -50,7 +50,7 @@ from engine.sampling_params import (
     SEED_RANGE,
     TEMPERATURE_MAX,
 )
-from router.tools import validate_tools
+from router.tools import tool_choice_constraint, validate_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
@@ -81,6 +81,11 @@ def _limits(info: ValidationInfo) -> Limits | None:
     return info.context if isinstance(info.context, Limits) else None
 
 
+def _vocab(info: ValidationInfo) -> int:
+    limits = _limits(info)
+    return limits.vocab_size if limits else 1 << 62
+
+
 # ------------------------------------------------------------------ field types
 
 _JSON_TYPES = {str: "<string>", list: "<array>", dict: "<object>", int: "<integer>"}
@@ -100,12 +105,10 @@ def one_of(what: str, **branches: Any) -> Any:
 
 
 def _token_id(value: int, info: ValidationInfo) -> int:
-    limits = _limits(info)
-    vocab = limits.vocab_size if limits else None
-    if value < 0 or (vocab is not None and value >= vocab):
-        raise fail(
-            f"holds token id {value}, outside the vocabulary [0, {vocab})", "invalid_token_id"
-        )
+    vocab = _vocab(info)
+    if not 0 <= value < vocab:
+        message = f"holds token id {value}, outside the vocabulary [0, {vocab})"
+        raise fail(message, "invalid_token_id")
     return value
 
 
@@ -130,8 +133,7 @@ def _one_prompt(prompt: Any, info: ValidationInfo) -> str | list[int]:
         raise fail("prompt must not be empty", "empty_prompt", whole=True)
     if isinstance(prompt, str):
         return prompt
-    limits = _limits(info)
-    vocab = limits.vocab_size if limits else 1 << 62
+    vocab = _vocab(info)
     for t in prompt:
         if not isinstance(t, int) or isinstance(t, bool):
             raise fail(f"prompt must contain only integers, got {t!r:.40}", whole=True)
@@ -152,15 +154,21 @@ _PROMPT_SCHEMA = Union[  # noqa: UP007
 Prompt = Annotated[Any, PlainValidator(_prompt, json_schema_input_type=_PROMPT_SCHEMA)]
 
 
+def _loads(value: Any, what: str = "is not valid JSON") -> Any:
+    """A JSON text -> its value; any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
+        raise fail(f"{what}: {e}") from e
+
+
 def _schema_text(value: dict | str) -> str:
     """A JSON schema (an object, or its JSON text) -> its JSON text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
-            raise fail(f"is not valid JSON: {e}") from e
-        if not isinstance(value, dict | bool):
-            raise fail("must be a JSON schema object")
+    value = _loads(value)
+    if not isinstance(value, dict | bool):
+        raise fail("must be a JSON schema object")
     return json.dumps(value)
 
 
@@ -226,20 +234,11 @@ class TextPart(_Open):
     text: str
 
 
-def _arguments(value: dict | str) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
-            raise fail(f"are not JSON: {e}") from e
-    return value
-
-
 class CalledFunction(_Open):
     name: str
     arguments: Annotated[
         one_of("JSON text or an object", string=str, object=dict[str, Any]),
-        AfterValidator(_arguments),
+        AfterValidator(lambda v: _loads(v, "are not JSON")),
         Field(examples=['{"city": "Paris"}', {"city": "Paris"}]),
     ] = "{}"
 
@@ -250,11 +249,12 @@ class ToolCall(_Open):
     function: CalledFunction
 
 
+Content = one_of("a string or a list of text parts", string=str, array=list[TextPart])
+
+
 class ChatMessage(StrictModel):
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
-    content: one_of("a string or a list of text parts", string=str, array=list[TextPart]) | None = (
-        None  # noqa: E501
-    )
+    content: Content | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
@@ -368,10 +368,8 @@ Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
 
 
 def _bias_key(key: str, info: ValidationInfo) -> str:
-    limits = _limits(info)
-    if limits is not None and int(key) >= limits.vocab_size:
-        message = f"logit_bias token id {key} is outside the vocabulary [0, {limits.vocab_size})"
-        raise fail(message, whole=True)
+    if int(key) >= (vocab := _vocab(info)):
+        raise fail(f"logit_bias token id {key} is outside the vocabulary [0, {vocab})", whole=True)
     return key
 
 
@@ -573,8 +571,6 @@ class ChatCompletionRequest(_Request):
         return self
 
     def _check_tools(self) -> None:
-        from router.tools import tool_choice_constraint
-
         choice = self.tool_choice
         if not self.tools:
             if choice not in (None, "none", "auto"):

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
-from router import answers, responses
-from router.answers import ChoiceResult, TokenText
+from router import responses
 from router.generation import Generation, GenerationContext, Piece
 from router.openai_api import ParsedRequest
+from router.responses import ChoiceResult, TokenText
 
 _END = object()
 
@@ -58,7 +58,7 @@ class RequestRun:
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.parsed.prompts)
         cached = sum(g.num_cached_tokens for g in self.generations)
-        return answers.usage(prompt, self.num_completion_tokens, cached)
+        return responses.usage(prompt, self.num_completion_tokens, cached)
 
     # ------------------------------------------------------------------ whole answers
 
@@ -75,7 +75,7 @@ class RequestRun:
             for r, state in zip(results, generation.choices, strict=True):
                 r.cumulative_logprob = state.cumulative_logprob
             if n > self.parsed.n:
-                results = answers.best_of(results, self.parsed.n)
+                results = responses.best_of(results, self.parsed.n)
             for r in results:
                 r.index += p * self.parsed.n
             out += results
@@ -85,10 +85,10 @@ class RequestRun:
         parsed = self.parsed
         if parsed.kind == "chat":
             text = parsed.extra.get("echo_text", "") + r.text
-            message, called = answers.tool_message(parsed, text)
+            message, called = responses.tool_message(parsed, text)
             logprobs = None
             if parsed.logprobs is not None:
-                logprobs = answers.chat_logprobs(self.text_of, r.token_ids, r.entries)
+                logprobs = responses.chat_logprobs(self.text_of, r.token_ids, r.entries)
             finish = "tool_calls" if called else r.finish_reason
             return {
                 "index": r.index,
@@ -119,7 +119,7 @@ class RequestRun:
         if parsed.echo:
             prompt_entries = r.prompt_entries or [None] * len(prompt_ids)
             ids, entries = prompt_ids + ids, prompt_entries + entries
-        return answers.completion_logprobs(self.text_of, ids, entries)
+        return responses.completion_logprobs(self.text_of, ids, entries)
 
     async def answer_body(self, created: int) -> dict[str, Any]:
         results = await self.results()
@@ -254,8 +254,8 @@ class StreamWriter:
         if parsed.logprobs is None:
             return text, None
         if parsed.kind == "chat":
-            return text, answers.chat_logprobs(run.text_of, ids, entries)
-        return text, answers.completion_logprobs(
+            return text, responses.chat_logprobs(run.text_of, ids, entries)
+        return text, responses.completion_logprobs(
             run.text_of, prefix_ids + ids, prefix_entries + entries
         )
 
@@ -273,4 +273,4 @@ class StreamWriter:
         self.held[index] = self.held.get(index, "") + text
         if finish is None:
             return None, None
-        return None, answers.forced_tool_calls(parsed, self.held.pop(index)) or None
+        return None, responses.forced_tool_calls(parsed, self.held.pop(index)) or None

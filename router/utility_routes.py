@@ -31,17 +31,18 @@ from router.openai_api import validate
 from router.protocol import Limits, Messages, ModelName, StrictModel, TokenId, flag
 
 
-class TokenizePrompt(StrictModel):
+class _Tokenize(StrictModel):
     model: ModelName = None
+    return_token_strs: bool | None = flag("also answer the token strings")
+
+
+class TokenizePrompt(_Tokenize):
     prompt: str
     add_special_tokens: bool | None = flag("default true")
-    return_token_strs: bool | None = flag("also answer the token strings")
 
 
-class TokenizeChat(StrictModel):
-    model: ModelName = None
+class TokenizeChat(_Tokenize):
     add_generation_prompt: bool | None = flag("default true")
-    return_token_strs: bool | None = flag("also answer the token strings")
     messages: Messages
 
 
@@ -83,60 +84,39 @@ def add_utility_routes(
     `body["add_generation_prompt"]`) and returns the ids, raising `APIError` for bad input; None
     when the model has no chat template, which makes the messages form a 400.
     """
-    routes = _UtilityRoutes(
-        tokenizer, served_model_name, max_model_len, version, parse_chat_prompt, body_timeout_s
-    )
-    app.router.add_post("/tokenize", routes.tokenize)
-    app.router.add_post("/detokenize", routes.detokenize)
-    app.router.add_get("/version", routes.version)
+    # len() counts added tokens (the specials), which vocab_size leaves out.
+    limits = Limits(served_model_name, len(tokenizer), max_model_len)
 
-
-class _UtilityRoutes:
-    def __init__(
-        self,
-        tokenizer: Any,
-        served_model_name: str,
-        max_model_len: int,
-        version: str,
-        parse_chat_prompt: Callable[[dict], list[int]] | None,
-        body_timeout_s: float,
-    ) -> None:
-        self.body_timeout_s = body_timeout_s
-        self.tokenizer = tokenizer
-        self.served_model_name = served_model_name
-        self.max_model_len = max_model_len
-        self._version = version
-        self.parse_chat_prompt = parse_chat_prompt
-        # len() counts added tokens (the specials), which vocab_size leaves out.
-        self.limits = Limits(served_model_name, len(tokenizer), max_model_len)
-
-    async def version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": self._version})
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, self.body_timeout_s)  # 408 / 413 / 400
-        body = validate(TokenizeRequest, raw, self.limits).root
+    async def tokenize(request: web.Request) -> web.Response:
+        raw = await read_body(request, body_timeout_s)  # 408 / 413 / 400
+        body = validate(TokenizeRequest, raw, limits).root
         if isinstance(body, TokenizeChat):
-            if self.parse_chat_prompt is None:
+            if parse_chat_prompt is None:
                 raise bad_request(
-                    f"model `{self.served_model_name}` has no chat template; tokenize a 'prompt'",
+                    f"model `{served_model_name}` has no chat template; tokenize a 'prompt'",
                     param="messages",
                     code="no_chat_template",
                 )
             messages = [m.model_dump(exclude_unset=True) for m in body.messages]
             gen = body.add_generation_prompt is not False
-            ids = list(self.parse_chat_prompt({"messages": messages, "add_generation_prompt": gen}))
+            ids = list(parse_chat_prompt({"messages": messages, "add_generation_prompt": gen}))
         else:
             add_special = body.add_special_tokens is not False
-            ids = list(self.tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len}
-        out["tokens"] = ids
+            ids = list(tokenizer(body.prompt, add_special_tokens=add_special)["input_ids"])
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
         if body.return_token_strs:
-            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
         return web.json_response(out)
 
-    async def detokenize(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, self.body_timeout_s)  # 408 / 413 / 400
-        tokens = validate(DetokenizeRequest, raw, self.limits).tokens
+    async def detokenize(request: web.Request) -> web.Response:
+        raw = await read_body(request, body_timeout_s)  # 408 / 413 / 400
+        tokens = validate(DetokenizeRequest, raw, limits).tokens
         # Special tokens are kept, as vLLM's /detokenize does: the ids round-trip to their text.
-        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+        return web.json_response({"prompt": tokenizer.decode(tokens)})
+
+    async def version_route(request: web.Request) -> web.Response:
+        return web.json_response({"version": version})
+
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version_route)

@@ -1,4 +1,4 @@
-"""Token reordering (router.reorder) and incremental detokenization (router.detokenizer)."""
+"""Token reordering (router.generation) and incremental detokenization (router.detokenizer)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from engine.protocol import TokenMessage
 from router.detokenizer import IncrementalDetokenizer
-from router.reorder import TokenReorderBuffer
+from router.generation import TokenReorderBuffer
 
 
 def tm(index, ids, finish=None, **kw):
