@@ -35,6 +35,7 @@ from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence, choice_key
+from engine.wire import trusted
 
 log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")
@@ -312,7 +313,9 @@ class LLMEngine:
                 self._finish(s, reason)
                 n, cached = s.num_output_tokens, s.num_cached_tokens
                 done.append(
-                    TokenOutput(request_id, n, [], reason, s.choice, num_cached_tokens=cached)
+                    trusted(
+                        TokenOutput, request_id, n, [], reason, s.choice, num_cached_tokens=cached
+                    )
                 )
         return done
 
@@ -443,7 +446,8 @@ class LLMEngine:
         if index == 0 and seq.choice == 0 and seq.sampling.prompt_logprobs is not None:
             prompt_logprobs = seq.prompt_logprobs
         reason = self._finish_reason(seq, token)
-        return TokenOutput(
+        return trusted(  # the engine's own values: checked where they came in
+            TokenOutput,
             seq.group_id,
             index,
             [token],

@@ -28,8 +28,9 @@ def _every_message() -> list:
         TokenMessage("r", 0, [5], "stop", 1, [entry], [None, entry], 4, worker_id="w"),
         TokenMessage(request_id="r", index=3, token_ids=[], handoff=True),
         msgspec.structs.replace(kv_ready, sampling=sp, choices=[[0, 7], [2, 8]]),
-        HelloReply(True, "n", "i", nixl_metadata=b"\x00md", num_blocks=4, data_base=64,
-                   block_bytes=8),  # fmt: skip
+        HelloReply(
+            True, "n", "i", nixl_metadata=b"\x00md", num_blocks=4, data_base=64, block_bytes=8
+        ),  # fmt: skip
     ]
 
 
@@ -152,3 +153,21 @@ def test_python_construction_checks_and_normalizes():
         SamplingParams(seed=2**64)
     with pytest.raises(ValueError, match="one entry per token"):
         TokenMessage("r", 0, [1, 2], logprobs=[(-1.0, 1, [])])
+
+
+def test_trusted_construction_skips_the_field_check_but_not_check():
+    """The engine builds its per-token records with `trusted` (its own values): the field
+    validation is skipped, the cross-field `check()` still runs, and the flag does not leak."""
+    from engine.wire import trusted
+
+    fast = trusted(TokenMessage, "r", 0, [1, 2], None)
+    assert fast.token_ids == [1, 2]
+    with pytest.raises(ValueError, match="handoff"):
+        trusted(TokenMessage, "r", 0, [1], None, handoff=True)
+    with pytest.raises(ValueError):  # outside `trusted` the fields are checked again
+        TokenMessage("r", -1, [1], None)
+    # A decode inside a trusted build leaves the flag as it found it.
+    frame = encode(TokenMessage("r", 0, [1], None))
+    assert decode(frame).token_ids == [1]
+    with pytest.raises(ValueError):
+        TokenMessage("", 0, [1], None)
