@@ -33,8 +33,7 @@ from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence, choice_key
+from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
 
 log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.sequence import Sequence
+    from engine.scheduler import Sequence
 
 
 def apply_logits_processors(

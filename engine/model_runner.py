@@ -14,8 +14,7 @@ import torch
 from engine.forward_context import AttentionMetadata, forward_context
 from engine.kv_cache import KVCache
 from engine.sampler import sample, token_logprobs
-from engine.scheduler import ScheduledSeq, StepPlan
-from engine.sequence import Sequence
+from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 PROMPT_LOGPROBS_SLICE = 256  # positions per head call when scoring a prompt
 

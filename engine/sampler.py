@@ -17,7 +17,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from engine.logits_processors import apply_logits_processors, min_p_mask
-from engine.sequence import Sequence
+from engine.scheduler import Sequence
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:

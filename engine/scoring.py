@@ -14,8 +14,7 @@ import torch
 
 from engine.forward_context import forward_context
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, StepPlan
-from engine.sequence import Sequence
+from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @torch.inference_mode()

@@ -15,7 +15,7 @@ from msgspec.structs import replace
 
 from engine import LLM, SamplingParams
 from engine.logits_processors import apply_logits_processors, min_p_mask
-from engine.sequence import Sequence
+from engine.scheduler import Sequence
 
 INF = float("inf")
 EOS = (2,)
