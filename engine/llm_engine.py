@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import select_backend
-from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
-from engine.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
+from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
 from engine.kv_connector import Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_manager import BlockManager
+from engine.kv_cache import BlockManager
 from engine.sampling_params import SamplingParams
 
 
