@@ -60,7 +60,6 @@ import uuid
 from typing import Self
 
 from engine.kv_cache import KVCache
-from kv_transfer.compat import Compat
 from kv_transfer.errors import HandshakeError
 from kv_transfer.events import TransferEvent, TransferState, TransferStats
 from kv_transfer.faults import FaultPlan
@@ -72,7 +71,7 @@ from kv_transfer.messages import (
     HelloReply,
 )
 from kv_transfer.nixl import NixlEndpoint
-from kv_transfer.peers import PeerPolicy
+from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.receiver import Receiver, ReceiverConfig
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel

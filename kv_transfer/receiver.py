@@ -57,7 +57,6 @@ from typing import Any, Literal
 import zmq
 
 from engine.wire import encode
-from kv_transfer.compat import Compat
 from kv_transfer.errors import HandshakeError, TransferError, quietly
 from kv_transfer.events import (
     ReadDone,
@@ -80,7 +79,7 @@ from kv_transfer.messages import (
     RenewReply,
 )
 from kv_transfer.nixl import BlockRegion, NixlEndpoint, check_block_ids, chunk
-from kv_transfer.peers import PeerPolicy
+from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.side_channel import SideChannel
 
 log = logging.getLogger(__name__)
