@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import select_backend
-from engine.block_manager import BlockManager
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
-from engine.kv_cache import KV_DTYPES, KVCache, KVCacheSpec
+from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
 from engine.kv_connector import Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
@@ -33,8 +32,7 @@ from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampler import skip_draw
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import SeqStatus, Sequence, choice_key
+from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
 from engine.wire import trusted
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ Lifecycle: the router builds one from an OpenAI request (checked once, in `__pos
 travels inside a request frame (`engine.protocol`) and the worker's decoder checks it against the
 same field annotations (`engine.wire`: checked once there too, not again after decoding); the
 sampler then trusts it. Defaults are the identity: a request that sets nothing pays for no logits
-processing (engine/logits_processors.py only touches rows with `needs_processing`).
+processing (engine/sampler.py's logits processors only touch rows with `needs_processing`).
 """
 
 from __future__ import annotations

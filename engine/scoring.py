@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_context import forward_context
+from engine.model_runner import forward_context
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledSeq, StepPlan
-from engine.sequence import Sequence
+from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @torch.inference_mode()

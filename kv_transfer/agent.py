@@ -60,9 +60,8 @@ import uuid
 from typing import Self
 
 from engine.kv_cache import KVCache
-from kv_transfer.compat import Compat
 from kv_transfer.errors import HandshakeError
-from kv_transfer.events import TransferEvent, TransferStats
+from kv_transfer.events import TransferEvent, TransferState, TransferStats
 from kv_transfer.faults import FaultPlan
 from kv_transfer.messages import (
     MAX_SIDE_FRAME_BYTES,
@@ -72,11 +71,10 @@ from kv_transfer.messages import (
     HelloReply,
 )
 from kv_transfer.nixl import NixlEndpoint
-from kv_transfer.peers import PeerPolicy
+from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.receiver import Receiver, ReceiverConfig
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel
-from kv_transfer.state import TransferState
 
 
 class KVTransferAgent:

@@ -12,17 +12,14 @@ connection setup with a 1-block READ, both raising `HandshakeError` as well.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import zmq
 
 from engine.wire import WireError, decode, encode
-from kv_transfer.descriptors import BlockRegion
 from kv_transfer.errors import HandshakeError, PeerNotAllowedError
 from kv_transfer.messages import AgentMetadata, Hello, HelloReply
-
-if TYPE_CHECKING:
-    from kv_transfer.nixl import NixlEndpoint
+from kv_transfer.nixl import BlockRegion, NixlEndpoint
 
 # differing_fields of a sender's refusal by its allowed map (see peers.PeerPolicy): no
 # compatibility field is called that.

@@ -1,11 +1,19 @@
-"""Which peers an agent may exchange KV with: the registry's current name -> instance id map.
+"""Which peers an agent may exchange KV with: those whose KV layout matches its own (`Compat`)
+and, given the registry's current name -> instance id map, only the incarnations it lists
+(`PeerPolicy`). Both ends of a handshake run both checks.
 
-Lifecycle: `KVTransferAgent.set_allowed_peers(map)` builds one immutable `PeerPolicy` and hands
-it to the receiver and the sender parts; each swaps it in under its own lock and drops what the
-new map no longer allows (so the check and the drop are atomic for the side-channel thread).
-`PeerPolicy()` (no map) allows any peer: the default, for standalone use and benchmarks.
+Layouts: the receiver checks the sender's registry metadata before dialing (`connect`), and the
+sender checks the `Hello` again before answering, so a refused pair never exchanges NIXL
+metadata. Both name the same fields in the same words ("block_size: 32 here, 16 on peer"), seen
+from the side that reads the message.
 
-Rules, the same on both ends of a handshake:
+Allowed map lifecycle: `KVTransferAgent.set_allowed_peers(map)` builds one immutable
+`PeerPolicy` and hands it to the receiver and the sender parts; each swaps it in under its own
+lock and drops what the new map no longer allows (so the check and the drop are atomic for the
+side-channel thread). `PeerPolicy()` (no map) allows any peer: the default, for standalone use
+and benchmarks.
+
+Allowed-map rules, the same on both ends of a handshake:
 
 - allowed: the peer's name maps to exactly its instance id;
 - unknown: its name is not in the map (`UnknownPeerError`);
@@ -19,10 +27,45 @@ Rules, the same on both ends of a handshake:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from kv_transfer.errors import PeerNotAllowedError, StalePeerError, UnknownPeerError
+from kv_transfer.errors import (
+    PeerNotAllowedError,
+    StalePeerError,
+    UnknownPeerError,
+    describe_differences,
+    differing_fields,
+)
+from kv_transfer.messages import PROTOCOL_VERSION
+
+
+@dataclass(slots=True, frozen=True)
+class Compat:
+    """This agent's protocol version, `KVCacheSpec.compat_fields()` and their hash."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+    hash: str = ""
+
+    def mismatch(
+        self, version: int, chash: str, fields: dict[str, str], *, for_peer: bool = False
+    ) -> tuple[list[str], str]:
+        """The fields that differ from a peer's, and a message naming both values.
+
+        `for_peer`: the message goes back to the peer, so "here" means the peer's value.
+        """
+        diff = differing_fields(self.fields, fields)
+        if version != PROTOCOL_VERSION:
+            diff.insert(0, "protocol_version")
+        if not diff and chash != self.hash:
+            diff = ["compat_hash"]
+        if not diff:
+            return [], ""
+        mine = {**self.fields, "protocol_version": str(PROTOCOL_VERSION), "compat_hash": self.hash}
+        theirs = {**fields, "protocol_version": str(version), "compat_hash": chash}
+        here, there = (theirs, mine) if for_peer else (mine, theirs)
+        return diff, describe_differences(diff, here, there)
+
 
 MAX_ALLOWED_PEERS = 100_000
 

@@ -57,10 +57,15 @@ from typing import Any, Literal
 import zmq
 
 from engine.wire import encode
-from kv_transfer.compat import Compat
-from kv_transfer.descriptors import BlockRegion, check_block_ids, chunk
 from kv_transfer.errors import HandshakeError, TransferError, quietly
-from kv_transfer.events import ReadDone, ReadFailed, TransferEvent, TransferStats
+from kv_transfer.events import (
+    ReadDone,
+    ReadFailed,
+    TransferEvent,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
 from kv_transfer.faults import FaultPlan, ReadFaults
 from kv_transfer.handshake import exchange_hello, peer_region, warm_up
 from kv_transfer.messages import (
@@ -73,10 +78,9 @@ from kv_transfer.messages import (
     Renew,
     RenewReply,
 )
-from kv_transfer.nixl import NixlEndpoint
-from kv_transfer.peers import PeerPolicy
+from kv_transfer.nixl import BlockRegion, NixlEndpoint, check_block_ids, chunk
+from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.side_channel import SideChannel
-from kv_transfer.state import TransferState, TransferStatus
 
 log = logging.getLogger(__name__)
 

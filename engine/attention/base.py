@@ -1,7 +1,8 @@
 """The attention backend interface and backend selection.
 
 A backend writes the step's new K/V into the paged cache and returns attention output for
-the step's queries. It reads the per-step metadata from `engine.forward_context`.
+the step's queries. It reads the per-step metadata with
+`engine.model_runner.get_forward_context()`.
 """
 
 from __future__ import annotations

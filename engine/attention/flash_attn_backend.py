@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.forward_context import get_forward_context
 from engine.kv_cache import KVCache
+from engine.model_runner import get_forward_context
 
 
 class FlashAttentionBackend:

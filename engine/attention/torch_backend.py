@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.forward_context import AttentionMetadata, get_forward_context
 from engine.kv_cache import KVCache
+from engine.model_runner import AttentionMetadata, get_forward_context
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_manager import BlockManager
+from engine.kv_cache import BlockManager
 
 
 def test_prefix_reuse_and_eviction():

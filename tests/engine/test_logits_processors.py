@@ -14,8 +14,8 @@ import torch
 from msgspec.structs import replace
 
 from engine import LLM, SamplingParams
-from engine.logits_processors import apply_logits_processors, min_p_mask
-from engine.sequence import Sequence
+from engine.sampler import apply_logits_processors, min_p_mask
+from engine.scheduler import Sequence
 
 INF = float("inf")
 EOS = (2,)

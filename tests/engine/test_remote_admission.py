@@ -15,7 +15,7 @@ from kv_copy import CopyConnector
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sequence import SeqStatus
+from engine.scheduler import SeqStatus
 
 
 def _engines(model, decode_blocks=64, max_num_seqs=256):

@@ -12,9 +12,14 @@ from engine.kv_cache import KVCacheSpec
 from engine.sampling_params import SamplingParams
 from engine.wire import WireError, encode
 from engine.wire import decode as decode_frame
-from kv_transfer.descriptors import BlockRegion, chunk
 from kv_transfer.errors import TransferError, differing_fields
-from kv_transfer.events import Released, TransferStats
+from kv_transfer.events import (
+    InvalidTransition,
+    Released,
+    TransferState,
+    TransferStats,
+    TransferStatus,
+)
 from kv_transfer.messages import (
     MAX_KVREADY_BYTES,
     PROTOCOL_VERSION,
@@ -23,7 +28,7 @@ from kv_transfer.messages import (
     KVReady,
     RenewReply,
 )
-from kv_transfer.state import InvalidTransition, TransferState, TransferStatus
+from kv_transfer.nixl import BlockRegion, chunk
 
 S = TransferState
 
