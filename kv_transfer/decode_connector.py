@@ -173,7 +173,7 @@ class DecodeConnector:
             return
         self._begin(RemoteTransfer(rid, DecodeStage.QUEUED, msg))
         host.stream(rid, msg.reply_to, len(msg.choices) if msg.choices else 1)
-        # Tell the router this worker owns the request now (see router/pool.py).
+        # Tell the router this worker owns the request now (see router/routing.py).
         host.send(
             msg.reply_to,
             TokenMessage(

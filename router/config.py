@@ -53,7 +53,7 @@ class RouterConfig:
     send_timeout_s: float = setting(
         5.0, "a request that cannot be queued to a worker within this fails"
     )
-    # Routing policy knobs (see router/policy.py).
+    # Routing policy knobs (see router/routing.py).
     affinity_prefix_tokens: int = setting(
         64, "prompt tokens hashed to pick a prefill worker with the prefix cached"
     )

@@ -3,7 +3,7 @@
 The cluster layer implements `WorkerDirectory` on top of the controller actor; tests and
 single-process setups use `StaticDirectory`. The router polls `snapshot()` every
 `RouterConfig.refresh_interval_s` and between polls adjusts its own copy of each worker's load
-on every dispatch (see `router.policy.LoadView`), so a burst spreads over the pool instead of
+on every dispatch (see `router.routing.LoadView`), so a burst spreads over the pool instead of
 landing on whichever worker looked idlest at the last poll.
 """
 

@@ -30,9 +30,8 @@ from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest
-from router.policy import LOCAL, NoWorkersError, RoutePlan
-from router.pool import WorkerPool
 from router.responses import Placement
+from router.routing import LOCAL, NoWorkersError, RoutePlan, WorkerPool
 from router.signal_recorder import SignalRecorder
 
 log = logging.getLogger(__name__)

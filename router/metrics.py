@@ -29,7 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.roles import COLOCATED, DECODE, PREFILL
 from router.directory import READY, WORKER_STATES, WorkerInfo
 from router.planner_status import PlannerCollector, PlannerStatus
-from router.policy import LOCAL, REMOTE
+from router.routing import LOCAL, REMOTE
 from router.signals import LENGTH_EDGES
 
 _LATENCY_BUCKETS = (

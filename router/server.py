@@ -50,7 +50,7 @@ from router.generation import GenerationContext
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest, RequestParser
 from router.openapi import openapi_document
-from router.pool import WorkerPool
+from router.routing import WorkerPool
 from router.serving import RequestRun, StreamWriter
 from router.signal_recorder import SignalRecorder, SignalReporter
 from router.tools import detect_tool_format

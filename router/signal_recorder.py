@@ -46,7 +46,7 @@ from engine.roles import DECODING_ROLES, PREFILL
 from router.directory import READY, WorkerInfo
 from router.metrics import RouterMetrics
 from router.planner_status import PlannerStatus
-from router.policy import LOCAL
+from router.routing import LOCAL
 from router.signals import LatencySummary, LengthHistogram, WindowSignals
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The simulated cluster: the router and the pools of workers, their lifecycle and GPU-hours.
 
-Routing (as the live router, router/policy.py, with the shared semantics of the planner):
+Routing (as the live router, router/routing.py, with the shared semantics of the planner):
 - decode choice: among READY decode-capable workers (decode and colocated pools), those with
   KV room for the whole sequence first, then the least loaded;
 - a prompt shorter than `disagg_threshold`, or any prompt when no prefill worker is READY, is

@@ -212,7 +212,7 @@ class DecodeWorker(Worker):
     def route_cost(self, kv_need: int) -> tuple[bool, float, int]:
         """Sort key of the router's decode choice (lower first): workers with KV room for the
         sequence first, then the least loaded (KV committed + batch pressure, waiting ones
-        weighing double, as router/policy.py's `decode_cost`)."""
+        weighing double, as router/routing.py's `decode_cost`)."""
         profile = self.host.profile
         no_room = self.committed_kv + kv_need > profile.kv_capacity_tokens
         usage = self.committed_kv / profile.kv_capacity_tokens

@@ -1,4 +1,4 @@
-"""The router's view of lost workers (router.pool.WorkerPool over a real DataPlane): a request
+"""The router's view of lost workers (router.routing.WorkerPool over a real DataPlane): a request
 fails at once when its decode worker is DOWN or came back as a new incarnation, and when its
 prefill worker is lost before the decode worker took it over, but not after; a worker merely
 missing from one snapshot (a controller restart) costs nothing; DRAINING workers get no new
@@ -14,8 +14,7 @@ from engine.protocol import WorkerLoad
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import StaticDirectory, WorkerInfo
-from router.policy import REMOTE, NoWorkersError
-from router.pool import WorkerPool
+from router.routing import REMOTE, NoWorkersError, WorkerPool
 
 LONG_PROMPT = list(range(1, 300))  # over the default disaggregation threshold: remote path
 

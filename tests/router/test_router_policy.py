@@ -1,4 +1,4 @@
-"""Routing policies (router.policy) as pure functions over a LoadView."""
+"""Routing policies (router.routing) as pure functions over a LoadView."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from engine.protocol import WorkerLoad
 from router.directory import StaticDirectory, WorkerDirectory, WorkerInfo
-from router.policy import (
+from router.routing import (
     LOCAL,
     REMOTE,
     LoadView,

@@ -1,0 +1,332 @@
+"""Routing: the pure policies that pick the workers of a request, and the pool that applies
+them to the directory's current snapshot.
+
+Policies: pure functions over a `LoadView` (the router's mutable copy of the workers' load
+reports), so they can be unit tested without sockets.
+
+- Decode choice: prefer workers that have free KV blocks for the prompt, then the lowest cost
+  `kv_usage + (running + 2 * waiting) / batch_norm` (waiting requests weigh double: they are
+  queued because the worker is out of blocks or batch slots).
+- Prefill choice: least queued prefill tokens, with prefix affinity: the first
+  `prefix_tokens` prompt tokens pick a preferred worker by rendezvous hashing (stable while
+  the pool changes), and that worker wins while its queue is within `slack_tokens` of the
+  least loaded one, so requests sharing a system prompt land where it is cached.
+- Disaggregation: prompts shorter than `disagg_threshold`, or any prompt when there are no
+  prefill workers (colocated mode), are prefilled on the decode worker itself.
+
+After a dispatch, `LoadView.note_dispatch` bumps the chosen workers' counters optimistically;
+the next directory snapshot replaces the view.
+
+`WorkerPool` lifecycle: `start()` takes a first snapshot and starts a loop that takes one every
+`refresh_interval_s`; `stop()` cancels it. A snapshot that fails or takes over
+`SNAPSHOT_TIMEOUT_S` keeps the previous view (the controller may be restarting). Each snapshot
+replaces the `LoadView` the policies read (READY workers only: a DRAINING one gets no new
+request, a DOWN one nothing), drops the PUSH sockets of workers that left, and fails the
+requests that depended on a worker that is lost: one the snapshot says is DOWN or that came
+back as a new incarnation (at once), or one missing from two snapshots in a row (one odd
+snapshot during a controller restart must not kill everything in flight). An injected
+`finish_reason="abort"` TokenMessage ends them with 503 through the same path a worker's own
+abort takes.
+
+A request is `track`ed from dispatch until its `Generation` ends (`forget`). It depends on its
+decode worker throughout, and on its prefill worker until the decode worker said it took the
+request over (`note_handed_off`): from then on a lost prefill worker is the decode worker's
+business (its READ fails, and it recomputes or fails the request by its policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+
+from engine.protocol import TokenMessage
+from engine.roles import DECODING_ROLES, PREFILL
+from router.config import RouterConfig
+from router.dataplane import DataPlane
+from router.directory import DOWN, READY, WorkerDirectory, WorkerInfo
+
+LOCAL = "local"
+REMOTE = "remote"
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """Mutable load numbers of one worker (copied from its WorkerLoad)."""
+
+    info: WorkerInfo
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    queued_prefill_tokens: int
+    block_size: int
+
+    @classmethod
+    def from_info(cls, info: WorkerInfo, default_block_size: int) -> WorkerState:
+        load = info.load
+        block_size = (
+            load.extra.get("block_size", default_block_size) if load.extra else (default_block_size)
+        )
+        if not isinstance(block_size, int) or block_size < 1:
+            block_size = default_block_size
+        return cls(
+            info=info,
+            free_blocks=max(0, int(load.num_free_blocks)),
+            total_blocks=max(0, int(load.num_total_blocks)),
+            running=max(0, int(load.num_running)),
+            waiting=max(0, int(load.num_waiting)),
+            queued_prefill_tokens=max(0, int(load.queued_prefill_tokens)),
+            block_size=block_size,
+        )
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+@dataclass(slots=True)
+class RoutePlan:
+    """Where one request goes: `prefill` is None on the local path."""
+
+    path: str  # LOCAL | REMOTE
+    decode: WorkerInfo
+    prefill: WorkerInfo | None = None
+
+
+class NoWorkersError(RuntimeError):
+    """No decode-capable worker is registered (the router answers 503)."""
+
+
+class LoadView:
+    """The router's current picture of the pool; replaced on every directory snapshot."""
+
+    def __init__(self, workers: list[WorkerInfo], default_block_size: int = 16) -> None:
+        self.states = {w.worker_id: WorkerState.from_info(w, default_block_size) for w in workers}
+
+    @property
+    def decode_workers(self) -> list[WorkerState]:
+        return [s for s in self.states.values() if s.info.role in DECODING_ROLES]
+
+    @property
+    def prefill_workers(self) -> list[WorkerState]:
+        return [s for s in self.states.values() if s.info.role == PREFILL]
+
+    def note_dispatch(self, plan: RoutePlan, prompt_len: int) -> None:
+        dec = self.states.get(plan.decode.worker_id)
+        if dec is not None:
+            dec.free_blocks = max(0, dec.free_blocks - dec.blocks_for(prompt_len))
+            dec.running += 1
+            if plan.path == LOCAL:
+                dec.queued_prefill_tokens += prompt_len
+        if plan.prefill is not None and (pre := self.states.get(plan.prefill.worker_id)):
+            pre.queued_prefill_tokens += prompt_len
+            pre.waiting += 1
+
+
+def decode_cost(state: WorkerState, prompt_len: int, batch_norm: int) -> tuple[bool, float, str]:
+    """Sort key (lower is better): no room for the prompt last, then usage + batch pressure."""
+    no_room = state.free_blocks < state.blocks_for(prompt_len)
+    usage = 1.0 - state.free_blocks / state.total_blocks if state.total_blocks > 0 else 1.0
+    pressure = (state.running + 2 * state.waiting) / batch_norm
+    return (no_room, usage + pressure, state.worker_id)
+
+
+def choose_decode(
+    candidates: list[WorkerState], prompt_len: int, batch_norm: int = 32
+) -> WorkerState:
+    if not candidates:
+        raise NoWorkersError("no decode workers are available")
+    return min(candidates, key=lambda s: decode_cost(s, prompt_len, batch_norm))
+
+
+def prefix_key(prompt_ids: list[int], prefix_tokens: int) -> bytes | None:
+    """Hash of the first `prefix_tokens` ids; None for prompts too short to share a prefix."""
+    if len(prompt_ids) < prefix_tokens:
+        return None
+    packed = struct.pack(f"<{prefix_tokens}I", *prompt_ids[:prefix_tokens])
+    return hashlib.blake2b(packed, digest_size=16).digest()
+
+
+def _rendezvous_score(key: bytes, worker_id: str) -> bytes:
+    return hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest()
+
+
+def choose_prefill(
+    candidates: list[WorkerState],
+    prompt_ids: list[int],
+    prefix_tokens: int = 64,
+    slack_tokens: int = 2048,
+) -> WorkerState:
+    if not candidates:
+        raise NoWorkersError("no prefill workers are available")
+
+    def load(s: WorkerState) -> tuple[int, int, str]:
+        return (s.queued_prefill_tokens, s.waiting, s.worker_id)
+
+    least = min(candidates, key=load)
+    key = prefix_key(prompt_ids, prefix_tokens)
+    if key is None:
+        return least
+    preferred = max(candidates, key=lambda s: _rendezvous_score(key, s.worker_id))
+    if preferred.queued_prefill_tokens <= least.queued_prefill_tokens + slack_tokens:
+        return preferred
+    return least
+
+
+def decide_path(prompt_len: int, disagg_threshold: int, num_prefill_workers: int) -> str:
+    if num_prefill_workers == 0 or prompt_len < disagg_threshold:
+        return LOCAL
+    return REMOTE
+
+
+def plan_route(
+    view: LoadView,
+    prompt_ids: list[int],
+    *,
+    disagg_threshold: int,
+    prefix_tokens: int = 64,
+    slack_tokens: int = 2048,
+    batch_norm: int = 32,
+) -> RoutePlan:
+    """Pick the decode worker, then decide local vs remote prefill and pick the prefill worker."""
+    decode = choose_decode(view.decode_workers, len(prompt_ids), batch_norm)
+    prefills = view.prefill_workers
+    path = decide_path(len(prompt_ids), disagg_threshold, len(prefills))
+    if path == LOCAL:
+        return RoutePlan(LOCAL, decode.info)
+    prefill = choose_prefill(prefills, prompt_ids, prefix_tokens, slack_tokens)
+    return RoutePlan(REMOTE, decode.info, prefill.info)
+
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+class WorkerPool:
+    def __init__(
+        self, config: RouterConfig, directory: WorkerDirectory, dataplane: DataPlane
+    ) -> None:
+        self.config = config
+        self.directory = directory
+        self.dataplane = dataplane
+        self.workers: list[WorkerInfo] = []  # every worker of the latest snapshot
+        self._view = LoadView([], config.default_block_size)
+        self._refresh_task: asyncio.Task[None] | None = None
+        # request id -> the (worker id, incarnation) pairs it depends on, decode first
+        self._inflight: dict[str, list[tuple[str, str]]] = {}
+        self._gone: set[str] = set()  # workers missing from the latest snapshot
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresh_task = asyncio.create_task(self._refresh_loop(), name="router-directory")
+
+    async def stop(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh_task
+            self._refresh_task = None
+
+    async def refresh(self) -> None:
+        try:
+            workers = await asyncio.wait_for(self.directory.snapshot(), SNAPSHOT_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - controller may be restarting; keep last view
+            log.warning("worker directory snapshot failed: %s", e)
+            return
+        self.workers = list(workers)
+        routable = [w for w in self.workers if w.state == READY]
+        self._view = LoadView(routable, self.config.default_block_size)
+        self.dataplane.retain({w.request_endpoint for w in self.workers if w.state != DOWN})
+        self._fail_orphans({w.worker_id: w for w in self.workers})
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_interval_s)
+            await self.refresh()
+
+    def _fail_orphans(self, known: dict[str, WorkerInfo]) -> None:
+        gone_now: set[str] = set()
+        for rid, deps in list(self._inflight.items()):
+            why = None
+            for wid, incarnation in deps:
+                why = self._lost(wid, incarnation, known.get(wid), gone_now)
+                if why is not None:
+                    break
+            if why is not None:
+                del self._inflight[rid]  # failed once; its Generation forgets it later
+                self.dataplane.inject(
+                    TokenMessage(rid, 0, [], finish_reason="abort", worker_id=wid, error=why)
+                )
+        self._gone = gone_now
+
+    def _lost(
+        self, wid: str, incarnation: str, info: WorkerInfo | None, gone_now: set[str]
+    ) -> str | None:
+        """Why a request that depends on worker `wid` (as `incarnation`) cannot finish, or
+        None while it still can."""
+        if info is None:
+            gone_now.add(wid)
+            return f"worker {wid} left the pool" if wid in self._gone else None
+        if info.state == DOWN:
+            return f"worker {wid} is down"
+        if incarnation and info.incarnation != incarnation:
+            return f"worker {wid} was restarted and lost the request"
+        return None
+
+    async def route(self, prompt_ids: list[int]) -> RoutePlan:
+        """Pick the workers for one prompt and count it against them in the view.
+        Raises NoWorkersError when no decode-capable worker is known, even after a refresh."""
+        try:
+            plan = self._plan(prompt_ids)
+        except NoWorkersError:
+            await self.refresh()  # workers may have registered since the last poll
+            plan = self._plan(prompt_ids)
+        self._view.note_dispatch(plan, len(prompt_ids))
+        return plan
+
+    def _plan(self, prompt_ids: list[int]) -> RoutePlan:
+        cfg = self.config
+        return plan_route(
+            self._view,
+            prompt_ids,
+            disagg_threshold=cfg.disagg_threshold,
+            prefix_tokens=cfg.affinity_prefix_tokens,
+            slack_tokens=cfg.affinity_slack_tokens,
+            batch_norm=cfg.decode_batch_norm,
+        )
+
+    def track(self, rid: str, plan: RoutePlan) -> None:
+        self._inflight[rid] = [
+            (w.worker_id, w.incarnation) for w in (plan.decode, plan.prefill) if w is not None
+        ]
+
+    def note_handed_off(self, rid: str) -> None:
+        """The decode worker took `rid` over: it no longer depends on its prefill worker."""
+        deps = self._inflight.get(rid)
+        if deps is not None:
+            del deps[1:]
+
+    def forget(self, rid: str) -> None:
+        self._inflight.pop(rid, None)
+
+    def role_counts(self) -> dict[str, int]:
+        """Routable (READY) workers per role."""
+        counts: dict[str, int] = {}
+        for w in self.workers:
+            if w.state == READY:
+                counts[w.role] = counts.get(w.role, 0) + 1
+        return counts
+
+    def state_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for w in self.workers:
+            counts[w.state] = counts.get(w.state, 0) + 1
+        return counts
