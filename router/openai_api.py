@@ -1,12 +1,18 @@
-"""OpenAI request bodies -> `ParsedRequest` (or an `APIError` 4xx), in two steps.
+"""OpenAI request bodies -> `ParsedRequest` (or an `APIError` 4xx), in three steps.
 
+0. `read_body` reads the bytes, refusing every way they can be hostile before parsing:
+   too slow (a slow-loris client dribbling bytes): 408 once `timeout_s` passes; over the app's
+   size limit: aiohttp's 413 (the error middleware words it); a lone UTF-16 surrogate in any
+   string (valid JSON, `"\\ud800"`, but not text a tokenizer or a response can carry): 400
+   `invalid_unicode` naming where it is. The model's JSON parser then refuses what is not JSON,
+   not UTF-8, or nested too deep (400 `invalid_json`).
 1. The body's bytes are validated by its model (router/protocol.py: types, bounds, token ids,
    the rules across fields; `protocol.api_error` picks the one error a client is told).
 2. `RequestParser` converts the model with what only the served model knows: the tokenizer
    and chat template, the context window, generation_config.json's sampling defaults
    (temperature, top_p, top_k, min_p, repetition_penalty, as vLLM applies them, then OpenAI's),
    and the structured-output compiler. Every check that can fail on client input happens in
-   these two steps, so a bad request costs no worker time and never surfaces as a 5xx.
+   these steps, so a bad request costs no worker time and never surfaces as a 5xx.
 
 `max_tokens` (as vLLM): absent -> 16 for /v1/completions (OpenAI's legacy default), capped by the
 room left in the window; for /v1/chat/completions the whole room left. An explicit value must
@@ -15,15 +21,19 @@ fit in the window with the prompt; chat's `max_completion_tokens` wins over `max
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
 from pydantic import ValidationError
 
 from engine.sampling_params import SamplingParams
-from router.errors import api_error, bad_request
+from router.errors import APIError, api_error, bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -56,6 +66,64 @@ class ParsedRequest:
     def __post_init__(self) -> None:
         if not self.prompts:
             self.prompts = [self.prompt_ids]
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The body's bytes, read within `timeout_s` and free of lone surrogates."""
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except TimeoutError as e:
+        raise APIError(
+            408, f"the request body did not arrive within {timeout_s:g}s", code="body_timeout"
+        ) from e
+    # Valid UTF-8 cannot hold a surrogate: only a \uD800-\uDFFF escape makes one, so only a
+    # body with such an escape is parsed here and walked (a paired one is fine, and found fine;
+    # a body that is not JSON is left to the model's parser to refuse).
+    if not _SURROGATE_ESCAPE.search(raw):
+        return raw
+    try:
+        where = surrogate_path(json.loads(raw))
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, digits
+        return raw
+    if where is not None:
+        raise APIError(
+            400,
+            f"{where} holds a lone UTF-16 surrogate, which is not valid text",
+            param=where.split("[")[0].split(".")[0] or None,
+            code="invalid_unicode",
+        )
+    return raw
+
+
+def surrogate_path(value: Any) -> str | None:
+    """Where the first string (or object key) holding a lone surrogate is, as `a.b[2]`, or
+    None. Iterative: a deeply nested body must not exhaust the stack here."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not _encodable(v):
+                return path or "the body"
+        elif isinstance(v, dict):
+            for k, sub in v.items():
+                key_path = f"{path}.{k}" if path else str(k)
+                if not _encodable(k):
+                    return path or "a field name"
+                stack.append((key_path, sub))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", sub) for i, sub in enumerate(v))
+    return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def validate(model: type, body: bytes | dict, limits: Limits) -> Any:

@@ -1,12 +1,13 @@
 """The bodies of the router's HTTP API as pydantic v2 models: the one definition of what a
 request may hold, validated straight from its bytes, and the source of /openapi.json.
 
-Lifecycle of a request body: bytes (router/body.py: read with a deadline, size and lone-surrogate
-checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an int, a string
-not a number; every bound here, the sampling ones imported from engine.sampling_params; token ids
-within the vocabulary) -> router/openai_api.py turns the model into a `ParsedRequest` (tokenizer,
-chat template, context window, structured-output compile). A `ValidationError` becomes one 4xx by
-`api_error`: the first error in this order, so a body with several mistakes is always told the same:
+Lifecycle of a request body: bytes (`router.openai_api.read_body`: read with a deadline, size and
+lone-surrogate checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an
+int, a string not a number; every bound here, the sampling ones imported from
+engine.sampling_params; token ids within the vocabulary) -> router/openai_api.py turns the model
+into a `ParsedRequest` (tokenizer, chat template, context window, structured-output compile). A
+`ValidationError` becomes one 4xx by `api_error`: the first error in this order, so a body with
+several mistakes is always told the same:
 
 1. the body is not JSON, or not a JSON object (400 `invalid_json`);
 2. `model` names another model (404 `model_not_found`);

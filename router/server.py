@@ -41,14 +41,13 @@ from engine.model_info import ModelInfo, read_model_info
 from engine.roles import DECODING_ROLES
 from router import responses
 from router.admission import AdmissionControl, Ticket
-from router.body import read_body
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
 from router.errors import UNAVAILABLE_RETRY_AFTER_S, APIError
 from router.generation import GenerationContext
 from router.metrics import RouterMetrics
-from router.openai_api import ParsedRequest, RequestParser
+from router.openai_api import ParsedRequest, RequestParser, read_body
 from router.openapi import openapi_document
 from router.routing import WorkerPool
 from router.serving import RequestRun, StreamWriter

@@ -25,9 +25,8 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import Discriminator, RootModel, Tag
 
-from router.body import read_body
 from router.errors import bad_request
-from router.openai_api import validate
+from router.openai_api import read_body, validate
 from router.protocol import Limits, Messages, ModelName, StrictModel, TokenId, flag
 
 
