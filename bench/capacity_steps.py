@@ -67,7 +67,7 @@ def prefill_lengths(cfg: CapacityConfig, budget: int, window: int) -> tuple[int,
 
 def _prefill_once(engine: Any, prompts: Prompts, sizes: list[int]) -> float:
     """Seconds of the one step that prefills `sizes` prompts together (max_tokens 1)."""
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     ids = [prompts.rid("prefill") for _ in sizes]
@@ -159,7 +159,7 @@ def decode_grid(cfg: CapacityConfig, engine: Any) -> list[tuple[int, int]]:
 def _start_batch(engine: Any, prompts: Prompts, b: int, c: int, max_tokens: int) -> list[str]:
     """`b` sequences with `c`-token prompts whose KV arrives at once (InstantKV), decoding
     after one untimed warm-up step (the first step after a batch change)."""
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     connector = engine.kv_connector
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -255,7 +255,7 @@ def measure_mixed(
 ) -> list[dict]:
     """Steps that prefill a short prompt beside `batch` running decodes (serve's local
     prefill on a decode worker): (batch, context per seq, prompt) -> median seconds."""
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     out = []
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

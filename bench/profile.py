@@ -204,7 +204,7 @@ def _profile_prefill(
     vocab: int,
     log: Callable[[str], None],
 ) -> list[PrefillPoint]:
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rid = iter(range(1 << 30))
@@ -243,7 +243,7 @@ def _profile_decode(
     log: Callable[[str], None],
 ) -> list[float]:
     """One sequence from a `start`-token prompt to `max_position` tokens, each step timed."""
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     name = "decode-0"
     engine.add_request(

@@ -132,7 +132,7 @@ def measure_decode(
 ) -> dict:
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
@@ -197,7 +197,7 @@ def prefill_flops(engine, tokens: int) -> float:
 def measure_prefill(engine, tokens: int, reps: int, seed: int, peak: dict) -> dict:
     import torch
 
-    from engine.sampling_params import SamplingParams
+    from engine.protocol import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size

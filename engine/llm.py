@@ -10,7 +10,7 @@ from typing import Any
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model_info import load_tokenizer
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 
 
 def engine_config(model: str | os.PathLike, settings: dict[str, Any]) -> EngineConfig:

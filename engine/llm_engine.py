@@ -27,11 +27,11 @@ from engine.kv_connector import Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
+from engine.protocol import SamplingParams
 from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampler import skip_draw
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
 from engine.wire import trusted
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_cache import BlockManager
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 
 
 def choice_key(request_id: str, choice: int) -> str:

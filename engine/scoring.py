@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.model_runner import forward_context
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 

@@ -28,8 +28,17 @@ from typing import Annotated, Literal
 from msgspec import Meta
 from msgspec.structs import asdict
 
-from engine.protocol import MAX_IDS, Count, Endpoint, Name, PromptIds, RequestId
-from engine.sampling_params import MAX_N, SamplingParams, TokenId
+from engine.protocol import (
+    MAX_IDS,
+    MAX_N,
+    Count,
+    Endpoint,
+    Name,
+    PromptIds,
+    RequestId,
+    SamplingParams,
+    TokenId,
+)
 from engine.wire import Frame, message
 
 PROTOCOL_VERSION = 1

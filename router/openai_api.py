@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 from router.errors import APIError, api_error, bad_request
 from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
 

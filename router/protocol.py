@@ -4,7 +4,7 @@ request may hold, validated straight from its bytes, and the source of /openapi.
 Lifecycle of a request body: bytes (`router.openai_api.read_body`: read with a deadline, size and
 lone-surrogate checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an
 int, a string not a number; every bound here, the sampling ones imported from
-engine.sampling_params; token ids within the vocabulary) -> router/openai_api.py turns the model
+engine.protocol; token ids within the vocabulary) -> router/openai_api.py turns the model
 into a `ParsedRequest` (tokenizer, chat template, context window, structured-output compile). A
 `ValidationError` becomes one 4xx by `api_error`: the first error in this order, so a body with
 several mistakes is always told the same:
@@ -41,7 +41,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import (
+from engine.protocol import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,

@@ -1,7 +1,7 @@
 """Structured-output specs -> llguidance grammars, and their validation.
 
 A request's `SamplingParams.structured` is a `(kind, spec)` pair of strings (see
-engine/sampling_params.py). This module turns one into the grammar text llguidance compiles
+engine/protocol.py). This module turns one into the grammar text llguidance compiles
 and checks it, with no tokenizer and no torch, so the router can reject a bad spec with a 400
 before a worker sees it.
 """
@@ -12,7 +12,7 @@ import json
 
 from llguidance import LLMatcher, grammar_from
 
-from engine.sampling_params import STRUCTURED_KINDS
+from engine.protocol import STRUCTURED_KINDS
 
 # Whitespace inside generated JSON. Flexible whitespace lets a weak model emit spaces and
 # newlines until max_tokens (a known failure of every backend that allows it), and leaves the

@@ -11,8 +11,7 @@ import pytest
 from fuzz.frames import templates
 
 from engine import wire
-from engine.protocol import GenerateRequest, PrefillRequest, Shutdown, TokenMessage
-from engine.sampling_params import SamplingParams
+from engine.protocol import GenerateRequest, PrefillRequest, SamplingParams, Shutdown, TokenMessage
 from engine.wire import WIRE_VERSION, WireError, decode, encode
 from kv_transfer.messages import HelloReply, KVReady
 

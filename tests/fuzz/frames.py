@@ -29,10 +29,10 @@ from engine.protocol import (
     AbortRequest,
     GenerateRequest,
     PrefillRequest,
+    SamplingParams,
     Shutdown,
     TokenMessage,
 )
-from engine.sampling_params import SamplingParams
 from engine.wire import WIRE_VERSION, decode, encode
 from kv_transfer.messages import (
     Abort,

@@ -13,9 +13,14 @@ import pytest
 from engine.engine_server import EngineServer, NoConnector
 from engine.kv_connector import Handoff
 from engine.outputs import TokenOutput
-from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
+from engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillRequest,
+    SamplingParams,
+    TokenMessage,
+)
 from engine.roles import COLOCATED, DECODE, PREFILL
-from engine.sampling_params import SamplingParams
 from kv_transfer import decode_connector
 from kv_transfer.decode_connector import DecodeConnector, DecodeStage
 from kv_transfer.errors import HandshakeError, StalePeerError, TransferError

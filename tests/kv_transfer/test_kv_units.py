@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 from engine.wire import WireError, encode
 from engine.wire import decode as decode_frame
 from kv_transfer.errors import TransferError, differing_fields
