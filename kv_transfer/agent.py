@@ -21,7 +21,7 @@ such a Hello with a refusal and registers no reader; the receiver's `connect` re
 metadata (StalePeerError / UnknownPeerError) without dialling, so the block ids of a KVReady
 from an old incarnation are never read. A restarted worker keeps its name and gets a new
 instance id: the leases its old instance pinned are freed at once (Released peer_restarted),
-since Ray restarts an actor only after its process died; see sender.py and peers.py.
+since Ray restarts an actor only after its process died; see sender.py and messages.py.
 
 Failure paths: the lease runs out (sender: Released lease_expired / peer_failed when the reader
 had pinned it), abort on either side (Abort on the side channel; Released/ReadFailed aborted),
@@ -67,11 +67,12 @@ from kv_transfer.messages import (
     MAX_SIDE_FRAME_BYTES,
     PROTOCOL_VERSION,
     AgentMetadata,
+    Compat,
     Hello,
     HelloReply,
+    PeerPolicy,
 )
 from kv_transfer.nixl import NixlEndpoint
-from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.receiver import Receiver, ReceiverConfig
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel

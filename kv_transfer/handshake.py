@@ -21,7 +21,7 @@ from kv_transfer.errors import HandshakeError, PeerNotAllowedError
 from kv_transfer.messages import AgentMetadata, Hello, HelloReply
 from kv_transfer.nixl import BlockRegion, NixlEndpoint
 
-# differing_fields of a sender's refusal by its allowed map (see peers.PeerPolicy): no
+# differing_fields of a sender's refusal by its allowed map (see messages.PeerPolicy): no
 # compatibility field is called that.
 NOT_ALLOWED_FIELDS = (["name"], ["instance_id"])
 

@@ -25,7 +25,7 @@ ends, loads its NIXL metadata, preps its descriptor list once and warms the pair
 heartbeat: the side-channel thread calls `beat()` every heartbeat_s and sends what
 `take_outgoing()` returns, so a worker stuck in a forward pass keeps its leases.
 
-Allowed peers and incarnations (`set_policy`, see peers.py): with an allowed map, `connect`
+Allowed peers and incarnations (`set_policy`, see messages.py): with an allowed map, `connect`
 refuses metadata whose (name, instance id) is not the allowed one *before dialling*
 (`UnknownPeerError`, `StalePeerError`; counted in refused_peers), so a KVReady from an old
 incarnation of a restarted sender never leads to a READ of its block ids. A new map drops the
@@ -72,14 +72,15 @@ from kv_transfer.messages import (
     MAX_RIDS_PER_RENEW,
     Abort,
     AgentMetadata,
+    Compat,
     ErrorReply,
     Hello,
+    PeerPolicy,
     ReadComplete,
     Renew,
     RenewReply,
 )
 from kv_transfer.nixl import BlockRegion, NixlEndpoint, check_block_ids, chunk
-from kv_transfer.peers import Compat, PeerPolicy
 from kv_transfer.side_channel import SideChannel
 
 log = logging.getLogger(__name__)

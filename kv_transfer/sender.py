@@ -53,9 +53,8 @@ from typing import Any
 from engine.wire import WireError, decode
 from kv_transfer.errors import PeerNotAllowedError, TransferError
 from kv_transfer.events import Released, TransferStats
-from kv_transfer.messages import MAX_NOTIF_BYTES, Abort, ReadComplete, Renew, RenewReply
+from kv_transfer.messages import MAX_NOTIF_BYTES, Abort, PeerPolicy, ReadComplete, Renew, RenewReply
 from kv_transfer.nixl import check_block_ids
-from kv_transfer.peers import PeerPolicy
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,7 @@ from engine.wire import WireError, decode, encode
 from kv_transfer.errors import quietly
 from kv_transfer.events import TransferStats
 from kv_transfer.faults import FaultPlan
-from kv_transfer.messages import Abort, ErrorReply, Hello, HelloReply, Renew, RenewReply
-from kv_transfer.peers import Compat
+from kv_transfer.messages import Abort, Compat, ErrorReply, Hello, HelloReply, Renew, RenewReply
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -10,8 +10,7 @@ import pytest
 from engine.wire import encode
 from kv_transfer.errors import TransferError
 from kv_transfer.events import Released, TransferStats
-from kv_transfer.messages import PROTOCOL_VERSION, Abort, ReadComplete, Renew
-from kv_transfer.peers import Compat
+from kv_transfer.messages import PROTOCOL_VERSION, Abort, Compat, ReadComplete, Renew
 from kv_transfer.sender import LeaseTable
 
 

@@ -30,9 +30,9 @@ from kv_transfer.messages import (
     ErrorReply,
     Hello,
     HelloReply,
+    PeerPolicy,
     Renew,
 )
-from kv_transfer.peers import PeerPolicy
 from kv_transfer.sender import LeaseTable
 
 CHUNKED = {"max_read_bytes": 4 * 16384}  # 4 blocks per READ: a 64-block request takes 16
