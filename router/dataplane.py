@@ -23,6 +23,8 @@ from engine.wire import WireError, decode, encode
 
 log = logging.getLogger(__name__)
 
+_BATCH = 256  # frames taken without waiting before the sink lets other tasks run
+
 
 class SendError(RuntimeError):
     """A request could not be handed to a worker's socket in time."""
@@ -118,9 +120,20 @@ class DataPlane:
 
     async def _recv_loop(self) -> None:
         assert self._pull is not None
+        # A synchronous view of the same socket: frames already queued are taken with plain
+        # non-blocking receives, without the asyncio socket's future and poller bookkeeping per
+        # frame (most of the sink's CPU under load); the asyncio receive only waits when empty.
+        ready = zmq.Socket.shadow(self._pull.underlying)
+        taken = 0
         while True:
             try:
-                parts = await self._pull.recv_multipart(copy=True)
+                try:
+                    parts = ready.recv_multipart(zmq.NOBLOCK)
+                    taken += 1
+                    if taken % _BATCH == 0:  # a sender that never pauses must not starve the loop
+                        await asyncio.sleep(0)
+                except zmq.Again:
+                    parts = await self._pull.recv_multipart(copy=True)
             except asyncio.CancelledError:
                 raise
             except zmq.ZMQError as e:

@@ -276,11 +276,14 @@ class Generation:
                     f"request {self.rid} timed out after {self.ctx.config.request_timeout_s}s",
                     code="timeout",
                 )
-            wait = min(self._deadline, math.inf if gap_deadline is None else gap_deadline) - now
-            try:
-                msg = await asyncio.wait_for(queue.get(), timeout=max(wait, 0.0))
-            except TimeoutError:
-                continue
+            if queue.empty():
+                wait = min(self._deadline, math.inf if gap_deadline is None else gap_deadline)
+                try:
+                    msg = await asyncio.wait_for(queue.get(), timeout=max(wait - now, 0.0))
+                except TimeoutError:
+                    continue
+            else:  # already here: no timer, no task (wait_for's cost per token)
+                msg = queue.get_nowait()
             if msg.handoff:  # the decode worker owns it now; not a token
                 self.ctx.pool.note_handed_off(self.rid)
                 continue

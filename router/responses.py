@@ -160,13 +160,39 @@ def stream_headers(rid: str, placement: Placement | None, parsed: ParsedRequest)
     }
 
 
+# What `json.dumps(payload, separators=(",", ":"))` uses, built once: dumps with any argument
+# builds a new encoder per call (a per-token cost on a stream).
+_COMPACT = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def sse_event(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event; a str payload (e.g. "[DONE]") is sent as is."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    data = payload if isinstance(payload, str) else _COMPACT(payload)
     return f"data: {data}\n\n".encode()
 
 
 SSE_DONE = sse_event("[DONE]")
+
+
+class TextEvents:
+    """`sse_event(chunk(parsed, rid, created, text, finish, index=i))` of one stream, for a
+    plain text piece (no role, logprobs or tool calls): the same bytes, from the chunk's
+    fields encoded once per stream, so a token costs one string encode instead of a dict and
+    an encoder pass over it."""
+
+    def __init__(self, parsed: ParsedRequest, rid: str, created: int) -> None:
+        head = {"id": rid, "object": _chunk_object(parsed), "created": created}
+        head["model"] = parsed.model
+        self._head = "data: " + _COMPACT(head)[:-1] + ',"choices":[{"index":'
+        self._text_key = ',"delta":{"content":' if parsed.kind == "chat" else ',"text":'
+        self._after_text = "}" if parsed.kind == "chat" else ""
+        self._tail = "}]" + (',"usage":null' if parsed.include_usage else "") + "}\n\n"
+
+    def event(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        return (
+            f"{self._head}{int(index)}{self._text_key}{_COMPACT(text)}{self._after_text}"
+            f',"logprobs":null,"finish_reason":{_COMPACT(finish_reason)}{self._tail}'
+        ).encode()
 
 
 # ------------------------------------------------------------------ choices

@@ -496,8 +496,8 @@ class RouterServer:
                 async for p, piece in pieces:
                     if resp is None:
                         resp = await self._open_stream(request, run, writer)
-                    for chunk in writer.chunks(p, piece):
-                        await resp.write(responses.sse_event(chunk))
+                    for event in writer.events(p, piece):
+                        await resp.write(event)
             except APIError as e:
                 if resp is None:
                     raise
@@ -524,8 +524,8 @@ class RouterServer:
             headers=responses.stream_headers(run.rid, run.placement, run.parsed)
         )
         await resp.prepare(request)
-        for chunk in writer.role_chunks():
-            await resp.write(responses.sse_event(chunk))
+        for event in writer.role_events():
+            await resp.write(event)
         return resp
 
 

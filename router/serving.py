@@ -200,6 +200,20 @@ class StreamWriter:
         self.started: set[int] = set()
         self.tool_parsers: dict[int, Any] = {}
         self.held: dict[int, str] = {}  # forced tool calls: the whole JSON, sent at the end
+        parsed = run.parsed
+        # No echo, logprobs or tools: a piece's chunk is its text and finish reason alone.
+        self._plain = not (
+            parsed.echo
+            or parsed.echo_only
+            or parsed.extra.get("echo_text")
+            or parsed.logprobs is not None
+            or (parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"))
+        )
+        self.text_events = responses.TextEvents(parsed, run.rid, created)
+
+    def role_events(self) -> list[bytes]:
+        """The server-sent events of `role_chunks`."""
+        return [responses.sse_event(chunk) for chunk in self.role_chunks()]
 
     def role_chunks(self) -> list[dict[str, Any]]:
         parsed = self.run.parsed
@@ -210,6 +224,15 @@ class StreamWriter:
             responses.chunk(parsed, self.run.rid, self.created, "", None, first=True, index=i)
             for i in range(total)
         ]
+
+    def events(self, p: int, piece: Piece) -> list[bytes]:
+        """The server-sent events of `chunks(p, piece)`: the same bytes."""
+        if not self._plain:
+            return [responses.sse_event(chunk) for chunk in self.chunks(p, piece)]
+        text, finish = piece.text, piece.finish_reason
+        if not text and finish is None:
+            return []
+        return [self.text_events.event(p * self.run.parsed.n + piece.choice, text, finish)]
 
     def chunks(self, p: int, piece: Piece) -> list[dict[str, Any]]:
         parsed = self.run.parsed
