@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.protocol import SamplingParams
 from router import responses
 from router.generation import Piece
 from router.openai_api import ParsedRequest
