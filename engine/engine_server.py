@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.kv_connector import Handoff, KVConnector
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
 from engine.protocol import AbortRequest, GenerateRequest, Shutdown, TokenMessage, WorkerLoad
@@ -101,8 +100,9 @@ class ConnectorHost(Protocol):
         ...
 
 
-class WorkerConnector(KVConnector, Protocol):
-    """A KV connector as the loop sees it; it is also the engine's `KVConnector`.
+class WorkerConnector(Protocol):
+    """A KV connector as the loop sees it; it is also the engine's `PrefillKV` or `DecodeKV`
+    for its role (engine/kv_connector.py: only that role's call, no stub of the other).
 
     Per iteration: `handle(msg)` for each frame received (True: it took the frame; it may
     also just look, as the decode side counts local prefills), `before_step()` (transfer
@@ -153,12 +153,6 @@ class NoConnector:
 
     def attach(self, host: ConnectorHost) -> None:
         pass
-
-    def on_prefilled(self, handoff: Handoff) -> bool:
-        return False
-
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
-        raise RuntimeError("a worker without a KV connector receives no KV")
 
     def handle(self, msg: Any) -> bool:
         return False

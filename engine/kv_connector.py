@@ -4,7 +4,9 @@ The engine decides *when* and *which blocks* (one scheduler, one block pool, one
 policy); the connector decides *how the bytes move* (kv_transfer, NIXL). This is vLLM v1's
 split of a KV connector into a scheduler-side and a worker-side half.
 
-`KVConnector`, the engine's two calls (engine/llm_engine.py, from inside `step`):
+The engine's two calls (engine/llm_engine.py, from inside `step`), one per role, so a connector
+implements only its own half (`PrefillKV` or `DecodeKV`; `KVConnector` is either) and
+`LLMEngine.set_kv_connector` refuses one that lacks its role's call:
 
 - prefill role: when a request's prompt is done and its first token sampled (and it is not
   already finished), the engine marks it PREFILLED (its blocks stay allocated) and calls
@@ -44,13 +46,22 @@ class Handoff:
     choices: list[tuple[int, int]] | None = None
 
 
-class KVConnector(Protocol):
-    """The engine's side: the scheduler calls these from inside `LLMEngine.step`."""
+class PrefillKV(Protocol):
+    """The prefill role's connector, as the engine's step calls it."""
 
     def on_prefilled(self, handoff: Handoff) -> bool:
-        """Prefill role: hold `handoff.block_ids` for a peer. False: refuse (blocks freed)."""
+        """Hold `handoff.block_ids` for a peer. False: refuse (the engine frees the blocks)."""
         ...
 
+
+class DecodeKV(Protocol):
+    """The decode role's connector, as the engine's step calls it."""
+
     def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
-        """Decode role: the scheduler admitted the request; start filling `block_ids`."""
+        """The scheduler admitted the request; start filling `block_ids`."""
         ...
+
+
+KVConnector = PrefillKV | DecodeKV
+# The call each role's engine makes (a colocated engine moves no KV and takes no connector).
+ROLE_CALLS = {"prefill": "on_prefilled", "decode": "on_remote_admitted"}

@@ -23,7 +23,7 @@ from engine.attention import select_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
 from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
-from engine.kv_connector import Handoff, KVConnector
+from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
@@ -245,7 +245,13 @@ class LLMEngine:
 
     # -- disaggregation: the scheduler-side half of the KV hand-off (engine/kv_connector.py)
     def set_kv_connector(self, connector: KVConnector | None) -> None:
-        """The worker that moves KV for this engine (prefill and decode roles)."""
+        """The worker that moves KV for this engine: it must have its role's call."""
+        call = ROLE_CALLS.get(self.config.role)
+        if connector is not None and not callable(getattr(connector, call or "", None)):
+            raise TypeError(
+                f"a {self.config.role} engine's KV connector needs {call or 'a role that moves KV'}"
+                f"; {type(connector).__name__} has none"
+            )
         self.kv_connector = connector
 
     def release(self, request_id: str) -> None:

@@ -48,7 +48,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from engine.kv_connector import Handoff
 from engine.protocol import GenerateRequest, TokenMessage
 from engine.roles import DECODE
 from kv_transfer.errors import HandshakeError, PeerNotAllowedError, TransferError
@@ -182,9 +181,6 @@ class DecodeConnector:
         )
 
     # -- the engine's calls ------------------------------------------------------------------
-    def on_prefilled(self, handoff: Handoff) -> bool:
-        return False  # a decode engine never hands KV on
-
     def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
         rec = self.requests[request_id]
         msg = rec.ready

@@ -139,9 +139,6 @@ class PrefillConnector:
         self._after_step.append(req.request_id)
         return True
 
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
-        raise RuntimeError("a prefill engine never receives KV")
-
     # -- the loop's calls --------------------------------------------------------------------
     def before_step(self) -> None:
         for ev in self.agent.poll():

@@ -204,3 +204,26 @@ def test_remote_request_needs_a_connector(model):
     _, de = _engines(model)
     with pytest.raises(RuntimeError, match="connector"):
         de.add_remote_request("r0", [1, 2, 3], 4, SamplingParams(max_tokens=2))
+
+
+def test_a_connector_implements_only_its_roles_call(model):
+    """Each role's engine makes one connector call (prefill: `on_prefilled`, decode:
+    `on_remote_admitted`): a connector with only its own half is accepted, one without its
+    role's call is refused when it is set, not when the first request reaches it."""
+
+    class PrefillOnly:
+        def on_prefilled(self, handoff) -> bool:
+            return False
+
+    class DecodeOnly:
+        def on_remote_admitted(self, request_id, block_ids) -> None:
+            pass
+
+    pe, de = _engines(model)
+    pe.set_kv_connector(PrefillOnly())
+    de.set_kv_connector(DecodeOnly())
+    with pytest.raises(TypeError, match="on_remote_admitted"):
+        de.set_kv_connector(PrefillOnly())
+    with pytest.raises(TypeError, match="on_prefilled"):
+        pe.set_kv_connector(DecodeOnly())
+    pe.set_kv_connector(None)  # a worker may also drop its connector
