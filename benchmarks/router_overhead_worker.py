@@ -37,6 +37,65 @@ def check_tree(tree: str, *modules) -> None:
             sys.exit(3)
 
 
+class FakeDecode:
+    """Requests in, canned tokens out: one `TokenMessage` of `chunk` tokens per request per step."""
+
+    def __init__(self, ctx, tokens: list[int], chunk: int, max_output: int) -> None:
+        import zmq
+
+        from engine.protocol import AbortRequest, GenerateRequest, TokenMessage
+        from engine.wire import decode, encode
+
+        self._zmq, self._decode, self._encode = zmq, decode, encode
+        self._types = (GenerateRequest, AbortRequest, TokenMessage)
+        self.ctx, self.tokens, self.chunk, self.max_output = ctx, tokens, chunk, max_output
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.LINGER, 0)
+        self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.push: dict[str, object] = {}
+        self.jobs: dict[str, list] = {}  # request_id -> [reply_to, next index, total]
+
+    def take_requests(self) -> None:
+        """Every frame waiting; block (briefly, to notice a signal) only when idle."""
+        generate, abort, _ = self._types
+        while self.pull.poll(0 if self.jobs else 100):
+            msg = self._decode(self.pull.recv())
+            if isinstance(msg, generate):
+                total = min(msg.sampling.max_tokens, self.max_output)
+                self.jobs[msg.request_id] = [msg.reply_to, 0, total]
+            elif isinstance(msg, abort):
+                self.jobs.pop(msg.request_id, None)
+
+    def step(self) -> None:
+        token_message = self._types[2]
+        for rid, job in list(self.jobs.items()):
+            reply_to, start, total = job
+            end = min(start + self.chunk, total)
+            ids = [self.tokens[i % len(self.tokens)] for i in range(start, end)]
+            finish = "length" if end >= total else None
+            tm = token_message(
+                request_id=rid, index=start, token_ids=ids, finish_reason=finish, worker_id="fake"
+            )
+            self._socket(reply_to).send(self._encode(tm))
+            if finish:
+                del self.jobs[rid]
+            else:
+                job[1] = end
+
+    def _socket(self, reply_to: str):
+        sock = self.push.get(reply_to)
+        if sock is None:
+            sock = self.push[reply_to] = self.ctx.socket(self._zmq.PUSH)
+            sock.setsockopt(self._zmq.LINGER, 0)
+            sock.connect(reply_to)
+        return sock
+
+    def close(self) -> None:
+        for sock in self.push.values():
+            sock.close(linger=0)
+        self.pull.close(linger=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tree", required=True, help="the source tree engine must come from")
@@ -50,57 +109,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import engine.protocol
     import engine.wire
-    from engine.protocol import AbortRequest, GenerateRequest, TokenMessage
-    from engine.wire import decode, encode
 
     check_tree(args.tree, engine.wire, engine.protocol)
-    tokens = [int(t) for t in args.tokens.split(",")]
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
-
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    print(f"ENDPOINT tcp://127.0.0.1:{port}", flush=True)
+    worker = FakeDecode(ctx, [int(t) for t in args.tokens.split(",")], args.chunk, args.max_output)
+    print(f"ENDPOINT tcp://127.0.0.1:{worker.port}", flush=True)
     print(f"ENGINE {engine.wire.__file__}", flush=True)
-    push: dict[str, zmq.Socket] = {}
-    jobs: dict[str, list] = {}  # request_id -> [reply_to, next index, total]
-
     while not stop:
-        # Take every frame waiting; block (briefly, to notice a signal) only when idle.
-        while pull.poll(0 if jobs else 100):
-            msg = decode(pull.recv())
-            if isinstance(msg, GenerateRequest):
-                total = min(msg.sampling.max_tokens, args.max_output)
-                jobs[msg.request_id] = [msg.reply_to, 0, total]
-            elif isinstance(msg, AbortRequest):
-                jobs.pop(msg.request_id, None)
-        for rid, job in list(jobs.items()):
-            reply_to, start, total = job
-            end = min(start + args.chunk, total)
-            ids = [tokens[i % len(tokens)] for i in range(start, end)]
-            finish = "length" if end >= total else None
-            tm = TokenMessage(
-                request_id=rid, index=start, token_ids=ids, finish_reason=finish, worker_id="fake"
-            )
-            sock = push.get(reply_to)
-            if sock is None:
-                sock = push[reply_to] = ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(reply_to)
-            sock.send(encode(tm))
-            if finish:
-                del jobs[rid]
-            else:
-                job[1] = end
-        if args.step_ms > 0 and jobs:
+        worker.take_requests()
+        worker.step()
+        if args.step_ms > 0 and worker.jobs:
             time.sleep(args.step_ms / 1000)
-
-    for sock in push.values():
-        sock.close(linger=0)
-    pull.close(linger=0)
+    worker.close()
     ctx.term()
     return 0
 
