@@ -22,6 +22,7 @@ import torch
 from engine.attention import select_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
 from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.loader import build_model
@@ -63,7 +64,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = setting(
         True, "split long prompts across steps", aliases=("--chunked-prefill",)
     )
-    attention_backend: str = setting("auto", "auto, torch or flash_attn")
+    attention_backend: str = setting("auto", "auto, torch, triton or flash_attn")
     kv_dtype: str = setting(
         "auto", "fp8_e4m3 stores KV in FP8 with per-token scales", choices=KV_DTYPES
     )
@@ -73,6 +74,9 @@ class EngineConfig:
         "(engine.quantization)",
         choices=QUANTIZATIONS,
         cli=False,
+    )
+    enforce_eager: bool = setting(
+        False, "never capture decode steps as CUDA graphs (CUDA only; engine.cuda_graphs)"
     )
     seed: int = setting(0, "seed for dummy weights and sampling")
     device: str | None = setting(None, "torch device (default: cuda when present)", cli=False)
@@ -133,17 +137,40 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill
         )
         self.backend = select_backend(
-            config.attention_backend, self.device, mc.head_dim**-0.5, mc.sliding_window
+            config.attention_backend,
+            self.device,
+            mc.head_dim**-0.5,
+            mc.sliding_window,
+            config.kv_dtype,
         )
         self.runner = ModelRunner(
             self.model, self.cache, self.backend, self.device, config.seed, mc.eos_token_ids
         )
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
         self.seqs: dict[str, Sequence] = {}
         # Request id -> the keys of its choices 1..n-1 once forked (n > 1).
         self.groups: dict[str, list[str]] = {}
         self._grammars = None  # engine.structured.GrammarCompiler, on first use
         self.num_steps = 0
         self.kv_connector: KVConnector | None = None
+
+    def _capture_graphs(self) -> None:
+        """Decode steps as CUDA graphs, when the attention backend can be captured."""
+        if not getattr(self.backend, "graph_safe", False):
+            log.info("attention backend %s: decode runs eagerly", self.backend.name)
+            return
+        graphs = DecodeGraphs(
+            self.model, self.cache, self.backend, self.config.max_num_seqs, self.max_model_len
+        )
+        t0 = time.perf_counter()
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # a driver or allocator refusal: slower, still correct
+            log.warning("CUDA graph capture failed (%s): decode runs eagerly", e)
+            return
+        log.info("captured %d decode graphs in %.1f s", len(graphs.sizes), time.perf_counter() - t0)
+        self.runner.graphs = graphs
 
     # -- sizing --------------------------------------------------------------------------
     def _auto_num_blocks(self) -> int:

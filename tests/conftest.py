@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -13,6 +14,10 @@ SHARED = REPO.parent / "shared"
 # Tests must not reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The GPU kernels (Triton) run on CPU tensors under Triton's interpreter where there is no GPU;
+# it must be set before triton is first imported. On a CUDA machine they compile for the GPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

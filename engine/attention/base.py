@@ -8,13 +8,14 @@ the step's queries. It reads the per-step metadata with
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Protocol
 
 import torch
 
 from engine.kv_cache import KVCache
 
-BACKENDS = ("auto", "torch", "flash_attn")
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
 class AttentionBackend(Protocol):
@@ -34,11 +35,36 @@ def flash_attn_available(device: torch.device) -> bool:
     return device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
 
 
+def triton_available(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def select_backend(
-    name: str, device: torch.device, scale: float, sliding_window: int | None
+    name: str,
+    device: torch.device,
+    scale: float,
+    sliding_window: int | None,
+    kv_dtype: str = "auto",
 ) -> AttentionBackend:
+    """`auto`: on CUDA the Triton backend (graph-capturable; not for FP8 KV caches), else
+    flash-attn when installed, else the torch reference."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    fp8_kv = kv_dtype != "auto"
+    if name == "triton" or (
+        name == "auto" and device.type == "cuda" and not fp8_kv and triton_available(device)
+    ):
+        if not triton_available(device) or fp8_kv:
+            raise ValueError(
+                "attention_backend='triton' needs CUDA (or TRITON_INTERPRET=1), the triton "
+                "package and a full-precision KV cache"
+            )
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(scale, sliding_window)
     if name == "flash_attn" or (name == "auto" and flash_attn_available(device)):
         if not flash_attn_available(device):
             raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package")

@@ -12,7 +12,8 @@ first time on a 2-core box, then cached on disk by torch's cpp_extension under
 TORCH_EXTENSIONS_DIR) and checks each op against a torch reference; an op that fails its check
 or does not exist on this CPU is None, and callers then keep their torch path. `ops()` returns
 None when the build is impossible (no compiler, no ninja) or `TANDEM_CPU_KERNELS=0`.
-GPU engines never call it.
+GPU engines never call it; they take `gpu_ops()` (Triton: engine.kernels.triton_fused, and
+the paged decode of engine.kernels.triton_attention through the triton attention backend).
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class CpuOps:
     add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
     rope_: Any = None
     silu_mul: Any = None
+
+
+def gpu_ops():
+    """The GPU's fused ops (engine.kernels.triton_fused.TritonOps), or None without Triton:
+    the model keeps its torch path then. Imported on first use: Triton is a GPU extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from engine.kernels.triton_fused import TritonOps
+
+    return TritonOps
 
 
 def enabled() -> bool:

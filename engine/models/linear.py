@@ -75,6 +75,7 @@ class Linear(nn.Linear):
     # [N, ceil(K / block_k)] for block-wise FP8); weight is None. scheme: None, "int8", "fp8".
     scheme: str | None = None
     fp8_activations = False  # FP8 only: W8A8 (True) or weight-only (False)
+    token_quantizer = None  # FP8 W8A8 on CUDA: the one-pass Triton activation quantization
     block_k = 0  # FP8 only: the K block of block-wise scales; 0 = one scale per output channel
     # FP8 W8A8 with a checkpoint's static scale: buffer `input_scale` (None otherwise),
     # registered by `_replace_weight` (a class attribute would shadow the buffer).
@@ -150,7 +151,13 @@ class Linear(nn.Linear):
         x2 = x.reshape(-1, shape[-1])
         if self.fp8_activations:
             y = fp8.fp8_linear(
-                x2, self.qweight, self.wscale, self.bias, self.block_k, self.input_scale
+                x2,
+                self.qweight,
+                self.wscale,
+                self.bias,
+                self.block_k,
+                self.input_scale,
+                quantize_tokens=self.token_quantizer,
             )
         else:
             y = fp8.fp8_weight_only_linear(x2, self.qweight, self.wscale, self.bias, self.block_k)

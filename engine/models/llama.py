@@ -25,8 +25,13 @@ from engine.models.rope import rope_tables, rotate_half
 FUSED_MAX_ROWS = 64
 
 
-def _fused(ops: kernels.CpuOps | None, rows: int) -> kernels.CpuOps | None:
-    return ops if ops is not None and rows <= FUSED_MAX_ROWS else None
+def _fused(ops, rows: int):
+    """The fused ops for a step of `rows` tokens, or None for the torch path: the CPU kernels
+    only up to FUSED_MAX_ROWS, the GPU's (engine.kernels.triton_fused, `max_rows` None) always."""
+    if ops is None:
+        return None
+    limit = getattr(ops, "max_rows", FUSED_MAX_ROWS)
+    return ops if limit is None or rows <= limit else None
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +81,13 @@ class Attention(nn.Module):
     fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
 
     def forward(self, x, cos, sin, cache: KVCache, backend) -> torch.Tensor:
-        """cos/sin: [tokens, 1, head_dim] in x's dtype, or with the fused ops the fp32 tables'
+        """cos/sin: [tokens, 1, head_dim] in x's dtype, or with a fused RoPE the fp32 tables'
         rows [tokens, head_dim] (the kernel rounds them to x's dtype itself)."""
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
         v = qkv[:, h + kvh :]
         fused = _fused(self.fused, t)
-        if fused is not None:
+        if fused is not None and fused.rope_ is not None:
             if self.qk_norm:
                 q, k = self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])
                 fused.rope_(q, cos, sin, h)
@@ -179,6 +184,8 @@ class CausalLM(nn.Module):
             prev == torch.bfloat16 and on_cpu and not cpu_has_native_bf16_gemm()
         )
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
+        if self.lm_head.weight.device.type == "cuda":
+            self.use_fused_ops(kernels.gpu_ops())
 
     def quantize(self, method: str | None) -> int:
         """Quantize the decoder layers' projections (`method`: one of
@@ -200,9 +207,16 @@ class CausalLM(nn.Module):
         ops = kernels.ops() if enabled else None
         if ops is not None and ops.add_rms_norm is None:
             ops = None
+        self.use_fused_ops(ops)
+
+    def use_fused_ops(self, ops) -> None:
+        """The fused norm / RoPE / SiLU ops every layer uses (CPU kernels or the GPU's Triton
+        ops; None: torch), and the GPU's one-pass FP8 activation quantization for W8A8."""
         for m in self.modules():
             if isinstance(m, RMSNorm | Attention | MLP):
                 m.fused = ops
+            if isinstance(m, Linear):
+                m.token_quantizer = getattr(ops, "quantize_fp8_tokens", None)
 
     def use_cpu_bf16_kernels(self, enabled: bool) -> None:
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
@@ -216,7 +230,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if _fused(self.model.norm.fused, input_ids.shape[0]) is None:
+        fused = _fused(self.model.norm.fused, input_ids.shape[0])
+        if fused is None or fused.rope_ is None:
             # HF casts the fp32 tables to the activation dtype before use; so do we (the
             # fused RoPE does that cast itself).
             cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)

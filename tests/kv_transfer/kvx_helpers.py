@@ -39,7 +39,10 @@ class PeerProcess:
 
     def __init__(self, name: str, num_blocks: int, agent: dict | None = None, **spec_kw):
         cfg = {"name": name, "num_blocks": num_blocks, "agent": agent or {}, **spec_kw}
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The repo first, then whatever the caller's path holds (packages installed to a
+        # private folder on the GPU machine).
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER_SCRIPT), json.dumps(cfg)],
             stdin=subprocess.PIPE,
