@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,10 @@ class RouterConfig:
     """
 
     model_path: str = setting(help="local Hugging Face model directory")
-    served_model_name: str | None = setting(None, "model name in the API; none: the model path")
+    served_model_name: str | None = setting(
+        None,
+        "model name in the API (default: the model directory's name; the path is accepted too)",
+    )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
     bind_host: str = setting("127.0.0.1", "ZMQ token sink bind address")
@@ -87,7 +91,10 @@ class RouterConfig:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty string")
         if self.served_model_name is None:
-            self.served_model_name = self.model_path
+            # The directory's name, not the path: clients split model names on "/".
+            self.served_model_name = (
+                os.path.basename(self.model_path.rstrip("/")) or self.model_path
+            )
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         for name in ("port", "zmq_port"):

@@ -87,6 +87,7 @@ def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
         generation_defaults=info.generation_defaults,
         check_structured=RouterServer._structured_checker(info),
         tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
+        model_aliases=(config.model_path,),
     )
 
 
@@ -204,6 +205,7 @@ class RouterServer:
             tandem_version(),
             parser.chat_prompt_ids,
             body_timeout_s=self.config.body_timeout_s,
+            model_aliases=parser.limits.aliases,
         )
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request on the workers (the Generation's pieces() is closed).
