@@ -386,5 +386,6 @@ def _ignored(req: Any) -> list[str]:
                 log.info("OpenAI field %r accepted without effect: %s", name, reason)
             else:
                 log.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", name)
-    messages = getattr(req, "messages", None)
-    return out + (openai_fields.message_fields(messages) if messages else [])
+    if isinstance(req, ChatCompletionRequest):  # elsewhere "messages" is an unknown field
+        out += openai_fields.message_fields(req.messages)
+    return out

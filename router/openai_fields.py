@@ -56,6 +56,6 @@ def message_fields(messages: list[Any]) -> list[str]:
         legacy_call = message.role == "assistant" and not message.tool_calls
         for name in MESSAGE_ACCEPTED:
             used = name == "function_call" and legacy_call
-            if getattr(message, name) is not None and not used:
+            if getattr(message, name) not in (None, [], "") and not used:  # set to something
                 out.append(f"messages[{i}].{name}")
     return out
