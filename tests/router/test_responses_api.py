@@ -18,7 +18,6 @@ from router.response_store import ResponseStore
 from router.responses_api import ResponsesAPI, chat_messages
 from router.server import request_parser
 
-
 SERVED = "tiny-llama"  # tests/router/conftest.py
 WEATHER = {
     "type": "function",
