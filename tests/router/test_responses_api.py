@@ -7,15 +7,19 @@ GET / DELETE, the ignored-fields header and the overload answers chat gives."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import openai
 import pytest
-from router_fakes import HoldingWorker
+from router_fakes import FakeWorker, HoldingWorker
 
 from router.config import RouterConfig
 from router.errors import APIError
+from router.generation import Piece
 from router.response_store import ResponseStore
 from router.responses_api import ResponsesAPI, chat_messages
+from router.responses_output import ResponseEvents, answer_output
 from router.server import request_parser
 
 SERVED = "tiny-llama"  # tests/router/conftest.py
@@ -220,8 +224,6 @@ def test_ignored_fields_header_and_raw_errors(make_router):
 def test_full_queue_is_429_with_retry_after(make_router):
     worker = HoldingWorker("d0")
     h = make_router(workers=[worker], max_queued_requests=0, max_queued_prompt_tokens=1)
-    import threading
-
     client = h.openai()
     held = threading.Thread(
         target=client.responses.create,
@@ -229,8 +231,6 @@ def test_full_queue_is_429_with_retry_after(make_router):
     )
     held.start()
     try:
-        import time
-
         deadline = time.monotonic() + 5
         while h.server.admission.queued_requests == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -241,3 +241,52 @@ def test_full_queue_is_429_with_retry_after(make_router):
     finally:
         worker.release()
         held.join(10)
+
+
+def _events(raw: list[bytes]) -> list[dict]:
+    out = []
+    for event in raw:
+        head, data = event.decode().strip().split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert head == "event: " + payload["type"]
+        out.append(payload)
+    return out
+
+
+def test_auto_tool_calls_stream_as_function_call_items(api):
+    """Hermes call text the model chose to write: held back while streamed, then one
+    function_call item, the same items a whole answer has (ids aside)."""
+    call = api.parse({"input": "weather?", "tools": [WEATHER]})
+    assert call.parsed.tool_format == "hermes"
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    pieces = [text[:9], text[9:30], text[30:] + "\n</tool_call>"]
+    events = ResponseEvents(call)
+    raw = events.start()
+    for i, t in enumerate(pieces):
+        raw += events.piece(Piece(t, 1, finish_reason="stop" if i == 2 else None))
+    raw += events.finish({"input_tokens": 1})
+    payloads = _events(raw)
+    assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+    deltas = "".join(p["delta"] for p in payloads if p["type"] == "response.output_text.delta")
+    assert deltas == "Let me check."
+    done = [p for p in payloads if p["type"] == "response.function_call_arguments.done"]
+    assert len(done) == 1 and json.loads(done[0]["arguments"]) == {"city": "Paris"}
+    final = payloads[-1]
+    assert final["type"] == "response.completed" and final["response"] == events.body
+    status, whole = answer_output(call.parsed, text + "\n</tool_call>", "stop")
+    strip = ("id", "call_id")
+    assert status == "completed"
+    assert [{k: v for k, v in i.items() if k not in strip} for i in events.body["output"]] == [
+        {k: v for k, v in i.items() if k not in strip} for i in whole
+    ]
+    assert [i["type"] for i in whole] == ["message", "function_call"]
+
+
+def test_stream_failure_after_start_is_an_error_event(make_router):
+    h = make_router(workers=[FakeWorker("d0", "colocated", mode="error", chunk=1)])
+    client = h.openai()
+    events = list(
+        client.responses.create(model=SERVED, input="fail me", max_output_tokens=8, stream=True)
+    )
+    assert events[0].type == "response.created" and events[-1].type == "error"
+    assert events[-1].message and events[-1].sequence_number == len(events) - 1
