@@ -87,6 +87,14 @@ class RouterConfig:
         2.0, "seconds per planner signal window pushed to the controller (0: none pushed)"
     )
 
+    # /v1/responses (router/response_store.py): responses kept for previous_response_id.
+    responses_max_stored: int = setting(
+        1024, "/v1/responses kept for previous_response_id and GET (LRU; 0: none kept)"
+    )
+    responses_max_stored_bytes: int = setting(
+        64 * 1024 * 1024, "bytes of stored /v1/responses (their JSON; LRU beyond this)"
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty string")
@@ -146,6 +154,8 @@ class RouterConfig:
             "affinity_slack_tokens",
             "max_queued_requests",
             "max_queued_prompt_tokens",
+            "responses_max_stored",
+            "responses_max_stored_bytes",
         )
         for name in non_negative:
             value = getattr(self, name)
