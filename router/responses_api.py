@@ -90,6 +90,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
         ("temperature", "temperature"),
         ("top_p", "top_p"),
         ("stream", "stream"),
+        ("parallel_tool_calls", "parallel_tool_calls"),
     ):
         value = getattr(req, src)
         if value is not None:

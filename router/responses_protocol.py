@@ -269,7 +269,7 @@ class ResponsesRequest(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = flag("nucleus sampling mass")
     tools: Tools | None = Field(None, description="function tools (built-in tools: a 400)")
     tool_choice: ResponsesToolChoice | None = flag("default 'auto' with tools")
-    parallel_tool_calls: bool | None = flag("accepted and echoed; calls are not limited to one")
+    parallel_tool_calls: bool | None = flag("false: at most one function call")
     text: TextConfig | None = flag("text.format: plain text, json_object or json_schema")
     stream: bool | None = flag("answer as server-sent Responses events")
     stream_options: dict[str, Any] | None = flag("accepted, not used")

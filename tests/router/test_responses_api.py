@@ -98,6 +98,9 @@ def test_request_runs_as_its_chat_request(api, model_info):
     forced = api.parse({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function",
                         "name": "get_weather"}}).parsed  # fmt: skip
     assert forced.sampling.structured[0] == "json_schema"
+    one = api.parse({"input": "x", "tools": [WEATHER], "tool_choice": "required",
+                     "parallel_tool_calls": False}).parsed  # fmt: skip
+    assert not one.parallel_tool_calls and json.loads(one.sampling.structured[1])["maxItems"] == 1
     assert forced.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert forced.tools[0]["function"]["name"] == "get_weather"
 
