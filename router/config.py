@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +28,10 @@ class RouterConfig:
     """
 
     model_path: str = setting(help="local Hugging Face model directory")
-    served_model_name: str | None = setting(None, "model name in the API; none: the model path")
+    served_model_name: str | None = setting(
+        None,
+        "model name in the API (default: the model directory's name; the path is accepted too)",
+    )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
     bind_host: str = setting("127.0.0.1", "ZMQ token sink bind address")
@@ -83,11 +87,22 @@ class RouterConfig:
         2.0, "seconds per planner signal window pushed to the controller (0: none pushed)"
     )
 
+    # /v1/responses (router/response_store.py): responses kept for previous_response_id.
+    responses_max_stored: int = setting(
+        1024, "/v1/responses kept for previous_response_id and GET (LRU; 0: none kept)"
+    )
+    responses_max_stored_bytes: int = setting(
+        64 * 1024 * 1024, "bytes of stored /v1/responses (their JSON; LRU beyond this)"
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty string")
         if self.served_model_name is None:
-            self.served_model_name = self.model_path
+            # The directory's name, not the path: clients split model names on "/".
+            self.served_model_name = (
+                os.path.basename(self.model_path.rstrip("/")) or self.model_path
+            )
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         for name in ("port", "zmq_port"):
@@ -139,6 +154,8 @@ class RouterConfig:
             "affinity_slack_tokens",
             "max_queued_requests",
             "max_queued_prompt_tokens",
+            "responses_max_stored",
+            "responses_max_stored_bytes",
         )
         for name in non_negative:
             value = getattr(self, name)

@@ -33,7 +33,9 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from engine.protocol import SamplingParams
+from router import generic_tools, openai_fields
 from router.errors import APIError, api_error, bad_request
+from router.openai_fields import ACCEPTED
 from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class ParsedRequest:
     tools: list | None = None
     tool_choice: Any = None
     tool_format: str | None = None  # the parser of "auto" tool calls (router/tools.py)
+    parallel_tool_calls: bool = True  # False: at most one call is returned
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -149,12 +152,13 @@ class RequestParser:
         generation_defaults: dict | None = None,
         check_structured: Callable[[str, str], None] | None = None,
         tool_format: str | None = None,
+        model_aliases: tuple[str, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.limits = Limits(served_model_name, vocab_size, max_model_len)
+        self.limits = Limits(served_model_name, vocab_size, max_model_len, model_aliases)
         self.completion_default_max_tokens = completion_default_max_tokens
         self.defaults = dict(generation_defaults or {})
         # Compiles a structured-output spec (raises ValueError naming the problem) so a bad
@@ -222,12 +226,6 @@ class RequestParser:
         tools = getattr(req, "_tools", None)
         choice = getattr(req, "_tool_choice", None)
         auto = bool(tools) and choice == "auto"
-        if auto and self.tool_format is None:
-            raise bad_request(
-                "this model's chat template has no tool-call format tandem can parse; use "
-                "tool_choice 'required' or a named function",
-                "tool_choice",
-            )
         sampling = SamplingParams(
             max_tokens=max_tokens,
             structured=self._structured(req),
@@ -253,7 +251,8 @@ class RequestParser:
             skip_special_tokens=req.skip_special_tokens is not False,
             tools=tools,
             tool_choice=choice,
-            tool_format=self.tool_format if auto else None,
+            tool_format=(self.tool_format or generic_tools.FORMAT) if auto else None,
+            parallel_tool_calls=getattr(req, "parallel_tool_calls", None) is not False,
             ignored_fields=_ignored(req),
         )
 
@@ -348,9 +347,13 @@ class RequestParser:
         cont = bool(req.continue_final_message)
         gen = not cont if req.add_generation_prompt is None else req.add_generation_prompt
         try:
+            messages, tools = [m.for_template() for m in req.messages], req._tools
+            if tools and self.tool_format is None and req._tool_choice == "auto":
+                # The template cannot show the tools: router/generic_tools.py does.
+                messages, tools = generic_tools.messages_with_tools(messages, tools), None
             text = self.tokenizer.apply_chat_template(
-                [m.for_template() for m in req.messages],
-                tools=req._tools,
+                messages,
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=gen,
                 continue_final_message=cont,
@@ -363,10 +366,26 @@ class RequestParser:
 
 
 def _ignored(req: Any) -> list[str]:
-    """Unknown top-level fields (not OpenAI or vLLM fields): logged once per name."""
-    unknown = sorted(req.model_extra or ())
-    for name in unknown:
+    """The set fields that have no effect, as `X-Tandem-Ignored-Fields` names them: OpenAI
+    fields tandem accepts without acting on, unknown top-level fields, unused message fields.
+    An OpenAI field tandem cannot serve is a 400. Each name is logged once."""
+    out = []
+    for name, value in sorted((req.model_extra or {}).items()):
+        why = openai_fields.refusal(name, value)
+        if why is not None:
+            raise bad_request(why, name, code="unsupported_field")
+        if name in openai_fields.REFUSED_UNLESS or (
+            value is None and name in openai_fields.ACCEPTED
+        ):
+            continue  # left empty: nothing was asked for
+        out.append(name)
         if name not in _warned and len(_warned) < 1024:
             _warned.add(name)
-            log.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", name)
-    return unknown
+            if name in ACCEPTED:
+                reason = ACCEPTED[name]
+                log.info("OpenAI field %r accepted without effect: %s", name, reason)
+            else:
+                log.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", name)
+    if isinstance(req, ChatCompletionRequest):  # elsewhere "messages" is an unknown field
+        out += openai_fields.message_fields(req.messages)
+    return out

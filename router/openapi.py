@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from router.protocol import ChatCompletionRequest, CompletionRequest, Count
+from router.responses_protocol import ResponsesRequest
 from router.utility_routes import DetokenizeRequest, TokenizeRequest
 
 OPENAPI_VERSION = "3.1.0"
@@ -71,6 +72,25 @@ class Completion(BaseModel):
     tandem: dict[str, str] = Field(None, description="where the request ran")
 
 
+class ResponseObject(BaseModel, extra="allow"):
+    """OpenAI's response object (/v1/responses): the fields every client reads; the
+    request's settings are echoed beside them (externalDocs)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress"]
+    model: str
+    output: list[dict[str, Any]] = Field(description="message and function_call items")
+    usage: dict[str, Any] | None = Field(description="input_tokens, output_tokens, ...")
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -114,8 +134,9 @@ class Version(BaseModel):
 
 
 _MODELS = (
-    CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ErrorBody,
-    Completion, ModelList, Health, Readiness, TokenizeResponse, DetokenizeResponse, Version,
+    CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+    DetokenizeRequest, ErrorBody, Completion, ResponseObject, ResponseDeleted, ModelList,
+    Health, Readiness, TokenizeResponse, DetokenizeResponse, Version,
 )  # fmt: skip
 
 
@@ -155,6 +176,19 @@ CHAT_CHECKS = {
     "with tools needs a chat template whose tool-call format tandem parses",
     "continue_final_message": "needs the last message to be the assistant's",
     "chat_template_kwargs": "variables the chat template accepts",
+}
+RESPONSES_CHECKS = {
+    "input": "the chat template renders the conversation (the stored one of "
+    "previous_response_id first) into a prompt that fits in max_model_len; a "
+    "function_call_output follows a function_call with its call_id",
+    "max_output_tokens": "prompt tokens + max_output_tokens <= max_model_len",
+    "previous_response_id": "a response this router stored (store not false) and has not "
+    "evicted (LRU: --responses-max-stored, --responses-max-stored-bytes); else 400 "
+    "previous_response_not_found",
+    "tools": "function tools only (built-in tools: 400); names are unique; " + _STRUCTURED_RULE,
+    "tool_choice": "a named function is one of the tools; 'required' needs tools; 'auto' "
+    "with tools needs a chat template whose tool-call format tandem parses",
+    "text": _STRUCTURED_RULE,
 }
 TOKENIZE_CHECKS = {"messages": "the chat template renders them (a model without one: 400)"}
 DETOKENIZE_CHECKS = {"tokens": "token ids below the vocabulary size"}
@@ -274,6 +308,15 @@ def _probe(op_id: str, text: str) -> dict:
     return {"get": op}
 
 
+def _stored_response() -> dict:
+    """GET / DELETE of a stored response (404 when unknown, not stored or evicted)."""
+    param = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    got = _get("getResponse", _json("ResponseObject", "the stored response"), 404)["get"]
+    gone = _json("ResponseDeleted", "deleted")
+    deleted = {"operationId": "deleteResponse", "responses": {"200": gone, **_errors(401, 404)}}
+    return {"get": got | {"parameters": [param]}, "delete": deleted | {"parameters": [param]}}
+
+
 def _paths() -> dict:
     prometheus = {"description": "Prometheus text", "content": {"text/plain": {"schema": {
         "type": "string"}}}}  # fmt: skip
@@ -287,6 +330,10 @@ def _paths() -> dict:
         "/v1/chat/completions": _generation(
             "createChatCompletion", "ChatCompletionRequest", "Completion", CHAT_CHECKS
         ),
+        "/v1/responses": _generation(
+            "createResponse", "ResponsesRequest", "ResponseObject", RESPONSES_CHECKS
+        ),
+        "/v1/responses/{response_id}": _stored_response(),
         "/v1/models": _get("listModels", _json("ModelList", "the served model")),
         "/health": _probe("health", "liveness: the router serves"),
         "/ready": _probe("ready", "readiness: a decode-capable worker is up, not draining"),

@@ -51,16 +51,11 @@ from engine.protocol import (
     SEED_RANGE,
     TEMPERATURE_MAX,
 )
+from router.openai_fields import REFUSED
 from router.tools import tool_choice_constraint, validate_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 TOOL_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
-REFUSED = {
-    "suffix": "insertion (suffix) is not supported by these models",
-    "functions": "the legacy 'functions' field is not supported; use 'tools'",
-    "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
-    "spaces_between_special_tokens": "only the default (true) is supported",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +65,7 @@ class Limits:
     served_model_name: str
     vocab_size: int
     max_model_len: int
+    aliases: tuple[str, ...] = ()  # other names a request may use (the model's path)
 
 
 def fail(predicate: str, code: str = "invalid_value", **ctx: Any) -> PydanticCustomError:
@@ -197,7 +193,7 @@ def _refused(name: str) -> Any:
 
 def _served_model(value: str | None, info: ValidationInfo) -> str | None:
     limits = _limits(info)
-    if value is not None and limits is not None and value != limits.served_model_name:
+    if limits is not None and value not in (None, limits.served_model_name, *limits.aliases):
         served = limits.served_model_name
         message = f"The model `{value}` does not exist; this server serves `{served}`."
         raise fail(message, "model_not_found", whole=True, status=404)
@@ -253,13 +249,20 @@ class ToolCall(_Open):
 Content = one_of("a string or a list of text parts", string=str, array=list[TextPart])
 
 
+class AudioRef(_Open):
+    id: str
+
+
 class ChatMessage(StrictModel):
     role: Literal[CHAT_ROLES]  # type: ignore[valid-type]
     content: Content | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
-    refusal: Any = Field(None, description="OpenAI's refusal text: accepted, not used")
+    refusal: str | None = Field(None, description="an assistant's refusal sent back: not used")
+    audio: AudioRef | None = Field(None, description="an assistant's audio sent back: not used")
+    annotations: list[dict[str, Any]] | None = Field(None, description="accepted, not used")
+    function_call: CalledFunction | None = Field(None, description="legacy tool call: used")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -274,6 +277,8 @@ class ChatMessage(StrictModel):
                 out[name] = getattr(self, name)
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump(exclude_unset=True) for c in self.tool_calls]
+        elif self.role == "assistant" and self.function_call is not None:  # pre-tools shape
+            out["tool_calls"] = [{"type": "function", "function": self.function_call.model_dump()}]
         return out
 
 
@@ -544,7 +549,7 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = Field(None, examples=[[{"type": "function", "function": {
         "name": "get_weather", "parameters": _WEATHER}}]])  # fmt: skip
     tool_choice: ToolChoice | None = Field(None, examples=["none", "auto", None])
-    parallel_tool_calls: Any = Field(None, description="accepted, not used")
+    parallel_tool_calls: bool | None = flag("false: at most one tool call (grammar and parser)")
     add_generation_prompt: bool | None = flag("end with the assistant turn's opening")
     continue_final_message: bool | None = flag("continue the last (assistant) message")
     echo: bool | None = flag("start the answer with the last assistant message's content")
@@ -582,7 +587,7 @@ class ChatCompletionRequest(_Request):
         choice = choice.model_dump() if isinstance(choice, BaseModel) else choice
         try:
             validate_tools(tools, choice)  # names unique, a named choice is one of them
-            forced = tool_choice_constraint(tools, choice)
+            forced = tool_choice_constraint(tools, choice, self.parallel_tool_calls is not False)
         except ValueError as e:
             param = "tool_choice" if "tool_choice" in str(e) else "tools"
             raise fail(str(e), whole=True, param=param) from e

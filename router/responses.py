@@ -20,7 +20,6 @@ extension: the `tandem` body field and the `X-Tandem-*` headers.
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -284,7 +283,7 @@ def tool_message(parsed: ParsedRequest, text: str) -> tuple[dict[str, Any], bool
         return {"role": "assistant", "content": text}, False
     if parsed.tool_choice == "auto":
         out = parse_tool_calls(text, parsed.tool_format)
-        calls = out.tool_calls
+        calls = out.tool_calls if parsed.parallel_tool_calls else out.tool_calls[:1]
         content = out.content
     else:
         calls, content = forced_tool_calls(parsed, text), None
@@ -295,23 +294,13 @@ def tool_message(parsed: ParsedRequest, text: str) -> tuple[dict[str, Any], bool
 
 def forced_tool_calls(parsed: ParsedRequest, text: str) -> list[dict[str, Any]]:
     """tool_choice "required" (a JSON list of {name, parameters}) or a named function (the
-    arguments object): the grammar made the text parse, unless the length limit cut it."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return []
-    if parsed.tool_choice == "required":
-        pairs = [(c.get("name"), c.get("parameters", {})) for c in value if isinstance(c, dict)]
-    else:
-        pairs = [(parsed.tool_choice["function"]["name"], value)]
-    return [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args)},
-        }
-        for name, args in pairs
-    ]
+    arguments object): the calls as the model wrote them; a call the length limit cut keeps
+    its arguments so far (OpenAI's shape, with finish_reason "length")."""
+    from router.tools import ForcedCallParser
+
+    parser = ForcedCallParser(parsed.tool_choice)
+    parser.feed(text)
+    return parser.calls()
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -49,6 +49,8 @@ from router.generation import GenerationContext
 from router.metrics import RouterMetrics
 from router.openai_api import ParsedRequest, RequestParser, read_body
 from router.openapi import openapi_document
+from router.response_store import ResponseStore
+from router.responses_api import ResponsesAPI, ResponsesCall
 from router.routing import WorkerPool
 from router.serving import RequestRun, StreamWriter
 from router.signal_recorder import SignalRecorder, SignalReporter
@@ -57,7 +59,7 @@ from router.utility_routes import add_utility_routes
 
 log = logging.getLogger(__name__)
 
-_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+_GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # Probes answer without the API key: orchestrators do not hold it.
 _PROBE_PATHS = ("/health", "/ready")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -87,6 +89,7 @@ def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
         generation_defaults=info.generation_defaults,
         check_structured=RouterServer._structured_checker(info),
         tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
+        model_aliases=(config.model_path,),
     )
 
 
@@ -132,6 +135,10 @@ class RouterServer:
         self._runner: web.AppRunner | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._created = int(time.time())
+        self.response_store = ResponseStore(
+            config.responses_max_stored, config.responses_max_stored_bytes
+        )
+        self.responses_api: ResponsesAPI | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,6 +158,7 @@ class RouterServer:
             self.model_info = await asyncio.to_thread(load_model_info, self.config)
         info = self.model_info
         self.parser = request_parser(self.config, info)
+        self.responses_api = ResponsesAPI(self.parser, self.response_store)
         shared = (self.config, self.pool, self.dataplane, self.metrics, info.tokenizer)
         self._generation_context = GenerationContext(*shared, self._spawn, self.signals)
         await self.dataplane.start()
@@ -188,6 +196,10 @@ class RouterServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        assert self.responses_api is not None
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{response_id}", self.responses_api.get)
+        app.router.add_delete("/v1/responses/{response_id}", self.responses_api.delete)
         info, parser = self.model_info, self.parser
         assert info is not None and parser is not None
         document = openapi_document(parser.served_model_name)
@@ -204,6 +216,7 @@ class RouterServer:
             tandem_version(),
             parser.chat_prompt_ids,
             body_timeout_s=self.config.body_timeout_s,
+            model_aliases=parser.limits.aliases,
         )
         # handler_cancellation: a client that goes away cancels its handler, which aborts the
         # request on the workers (the Generation's pieces() is closed).
@@ -399,6 +412,15 @@ class RouterServer:
         parsed = self.parser.parse_chat(body)
         return await self._serve(request, parsed, f"chatcmpl-{uuid.uuid4().hex}")
 
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses: converted to a chat request (router/responses_api.py), served as one."""
+        if (refusal := self._early_refusal()) is not None:
+            return refusal
+        body = await self._read_body(request)
+        assert self.responses_api is not None
+        call = self.responses_api.parse(body)
+        return await self._serve(request, call.parsed, call.rid, call)
+
     def _early_refusal(self) -> web.Response | None:
         """503 `draining` or 429 `queue_full` before the body is even read (the cheapest
         answer an overloaded router can give), or None."""
@@ -443,7 +465,11 @@ class RouterServer:
             self._idle.set()
 
     async def _serve(
-        self, request: web.Request, parsed: ParsedRequest, rid: str
+        self,
+        request: web.Request,
+        parsed: ParsedRequest,
+        rid: str,
+        responses_call: ResponsesCall | None = None,
     ) -> web.StreamResponse:
         assert self._generation_context is not None
         arrival = time.monotonic()
@@ -457,7 +483,10 @@ class RouterServer:
         try:
             run = RequestRun(self._generation_context, parsed, rid, arrival)
             run.set_first_token_callback(ticket.started)
-            if parsed.stream:
+            if responses_call is not None:
+                assert self.responses_api is not None
+                resp = await self.responses_api.respond(request, run, responses_call)
+            elif parsed.stream:
                 resp = await self._respond_stream(request, run)
             else:
                 resp = await self._respond_json(run)

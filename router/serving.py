@@ -89,7 +89,8 @@ class RequestRun:
             logprobs = None
             if parsed.logprobs is not None:
                 logprobs = responses.chat_logprobs(self.text_of, r.token_ids, r.entries)
-            finish = "tool_calls" if called else r.finish_reason
+            # A call cut by the length limit is returned, with finish_reason "length".
+            finish = "tool_calls" if called and r.finish_reason != "length" else r.finish_reason
             return {
                 "index": r.index,
                 "message": message,
@@ -199,7 +200,8 @@ class StreamWriter:
         self.created = created
         self.started: set[int] = set()
         self.tool_parsers: dict[int, Any] = {}
-        self.held: dict[int, str] = {}  # forced tool calls: the whole JSON, sent at the end
+        self.forced: dict[int, Any] = {}  # forced tool calls: a ForcedCallParser per choice
+        self.called: set[int] = set()  # choices that returned tool calls
         parsed = run.parsed
         # No echo, logprobs or tools: a piece's chunk is its text and finish reason alone.
         self._plain = not (
@@ -243,7 +245,9 @@ class StreamWriter:
             text, tool_calls = self._tools(index, text, piece.finish_reason)
         finish = piece.finish_reason
         if tool_calls:
-            finish = finish and "tool_calls"
+            self.called.add(index)
+        if index in self.called and finish == "stop":
+            finish = "tool_calls"
         if not text and finish is None and not tool_calls and not logprobs:
             return []
         return [
@@ -283,7 +287,7 @@ class StreamWriter:
         )
 
     def _tools(self, index: int, text: str, finish: str | None) -> tuple[str | None, list | None]:
-        from router.tools import ToolStreamParser
+        from router.tools import ForcedCallParser, ToolStreamParser
 
         parsed = self.run.parsed
         if parsed.tool_choice == "auto":
@@ -292,8 +296,10 @@ class StreamWriter:
             if finish is None:
                 return content, None
             rest = parser.finish()
-            return content + (rest.content or ""), rest.tool_calls or None
-        self.held[index] = self.held.get(index, "") + text
-        if finish is None:
-            return None, None
-        return None, responses.forced_tool_calls(parsed, self.held.pop(index)) or None
+            calls = rest.tool_calls if parsed.parallel_tool_calls else rest.tool_calls[:1]
+            return content + (rest.content or ""), calls or None
+        parser = self.forced.setdefault(index, ForcedCallParser(parsed.tool_choice))
+        deltas = parser.feed(text)  # the arguments stream as they are generated
+        if finish is not None:
+            self.forced.pop(index)
+        return None, deltas or None

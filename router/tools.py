@@ -107,12 +107,18 @@ def _check_tool_choice(choice: Any, names: set[str]) -> None:
 # ------------------------------------------------------------------ forced calls
 
 
-def tool_choice_constraint(tools: list | None, tool_choice: Any) -> tuple[str, str] | None:
-    """The ("json_schema", schema) that forces a call, or None when the model may choose."""
+def tool_choice_constraint(
+    tools: list | None, tool_choice: Any, parallel: bool = True
+) -> tuple[str, str] | None:
+    """The ("json_schema", schema) that forces a call, or None when the model may choose.
+    `parallel` False: "required" allows exactly one call."""
     if not tools or tool_choice in (None, "none", "auto"):
         return None
     if tool_choice == "required":
-        return "json_schema", json.dumps(_required_schema(tools))
+        schema = _required_schema(tools)
+        if not parallel:
+            schema["maxItems"] = 1
+        return "json_schema", json.dumps(schema)
     name = tool_choice["function"]["name"]
     for tool in tools:
         if tool["function"]["name"] == name:
@@ -363,3 +369,96 @@ class ToolStreamParser:
         if text and self._sent_any:
             text = "\n" + text
         return ParsedToolOutput(text or None, calls)
+
+
+# ------------------------------------------------------------------ forced calls, streamed
+
+# One item of a "required" call list, up to its arguments: the schema lists "name" first.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"parameters"\s*:\s*')
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object that opens at or after `start`, or None while it
+    is still open (strings and escapes skipped, so braces inside them do not count)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class ForcedCallParser:
+    """A forced call's text, as it is generated, as OpenAI tool-call deltas: for each call its
+    id, type and name first (arguments ""), then argument fragments as they arrive. The text
+    is the arguments object (a named function) or a JSON array of {"name", "parameters"}
+    ("required"). `calls()` gives the calls so far: a call the length limit cut keeps the
+    arguments written until then, as OpenAI returns them."""
+
+    def __init__(self, tool_choice: Any) -> None:
+        self.named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        self.text = ""
+        self._calls: list[dict[str, Any]] = []  # id, name, start, end (None: open), sent
+        self._scan = 0  # "required": where the next item is looked for
+
+    def feed(self, delta: str) -> list[dict[str, Any]]:
+        self.text += delta
+        if self.named is not None:
+            if not self._calls and self.text.strip():
+                self._calls.append(self._call(self.named, 0))
+        else:
+            self._advance()
+        return self._deltas()
+
+    @staticmethod
+    def _call(name: str, start: int) -> dict[str, Any]:
+        call_id = f"call_{uuid.uuid4().hex[:24]}"
+        return {"id": call_id, "name": name, "start": start, "end": None, "sent": -1}
+
+    def _advance(self) -> None:
+        while True:
+            if self._calls and self._calls[-1]["end"] is None:
+                end = _object_end(self.text, self._calls[-1]["start"])
+                if end is None:
+                    return
+                self._calls[-1]["end"] = self._scan = end
+            head = _CALL_HEAD.search(self.text, self._scan)
+            if head is None:
+                return
+            self._calls.append(self._call(head.group(1), head.end()))
+
+    def _arguments(self, call: dict[str, Any]) -> str:
+        end = call["end"] if call["end"] is not None else len(self.text)
+        return self.text[call["start"] : end].strip()
+
+    def _deltas(self) -> list[dict[str, Any]]:
+        out = []
+        for i, call in enumerate(self._calls):
+            args = self._arguments(call)
+            if call["sent"] < 0:
+                fn = {"name": call["name"], "arguments": ""}
+                out.append({"index": i, "id": call["id"], "type": "function", "function": fn})
+                call["sent"] = 0
+            if len(args) > call["sent"]:
+                out.append({"index": i, "function": {"arguments": args[call["sent"] :]}})
+                call["sent"] = len(args)
+        return out
+
+    def calls(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": self._arguments(c)},
+            }
+            for c in self._calls
+        ]

@@ -76,6 +76,7 @@ def add_utility_routes(
     version: str,
     parse_chat_prompt: Callable[[dict], list[int]] | None,
     body_timeout_s: float = 10.0,
+    model_aliases: tuple[str, ...] = (),
 ) -> None:
     """Register /tokenize, /detokenize and /version on `app`.
 
@@ -84,7 +85,7 @@ def add_utility_routes(
     when the model has no chat template, which makes the messages form a 400.
     """
     # len() counts added tokens (the specials), which vocab_size leaves out.
-    limits = Limits(served_model_name, len(tokenizer), max_model_len)
+    limits = Limits(served_model_name, len(tokenizer), max_model_len, model_aliases)
 
     async def tokenize(request: web.Request) -> web.Response:
         raw = await read_body(request, body_timeout_s)  # 408 / 413 / 400

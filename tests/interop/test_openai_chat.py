@@ -329,3 +329,92 @@ def test_invalid_structured_constraint_is_400(chat, extra):
 
 def test_every_kv_block_returned(server):
     server.wait_all_blocks_free()
+
+
+# ------------------------------------------------------------------ what agents need (issue 27)
+
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_forced_call_cut_by_length_is_returned_as_a_call(chat):
+    full = chat(messages=USER, max_tokens=200, temperature=0, tools=TOOLS,
+                tool_choice=NAMED_WEATHER).choices[0]  # fmt: skip
+    assert full.finish_reason == "tool_calls"
+    cut = chat(messages=USER, max_tokens=4, temperature=0, tools=TOOLS,
+               tool_choice=NAMED_WEATHER).choices[0]  # fmt: skip
+    assert cut.finish_reason == "length", cut
+    assert cut.message.content is None, cut.message  # not the partial JSON as text
+    (call,) = cut.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    args, whole = call.function.arguments, full.message.tool_calls[0].function.arguments
+    assert args and whole.startswith(args) and len(args) < len(whole)
+
+
+@pytest.mark.parametrize("choice", [NAMED_WEATHER, "required"], ids=["named", "required"])
+def test_forced_call_arguments_stream_as_they_are_generated(client, model_name, chat, choice):
+    kwargs = dict(messages=USER, max_tokens=200, temperature=0, tools=TOOLS, tool_choice=choice)
+    whole = chat(**kwargs).choices[0].message.tool_calls
+    stream = client.chat.completions.create(model=model_name, stream=True, **kwargs)
+    deltas, finish = [], None
+    for chunk in stream:
+        (c,) = chunk.choices
+        deltas += c.delta.tool_calls or []
+        finish = c.finish_reason or finish
+    assert finish == "tool_calls"
+    # OpenAI's shape: per call first its id, type and name (arguments ""), then fragments.
+    firsts = [d for d in deltas if d.id is not None]
+    assert [(d.index, d.function.name, d.function.arguments) for d in firsts] == [
+        (i, c.function.name, "") for i, c in enumerate(whole)
+    ]
+    streamed = ["".join(d.function.arguments or "" for d in deltas if d.index == i)
+                for i in range(len(whole))]  # fmt: skip
+    assert streamed == [c.function.arguments for c in whole]
+    fragments = [d for d in deltas if d.id is None and d.function.arguments]
+    assert len(fragments) > len(whole), "the arguments came as one piece"
+
+
+def test_parallel_tool_calls_false_allows_one_call(chat):
+    for seed in range(4):
+        r = chat(messages=USER, max_tokens=200, temperature=1.0, seed=seed, tools=TOOLS,
+                 tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+        assert len(r.choices[0].message.tool_calls) == 1, r.choices[0].message
+
+
+def test_messages_sent_back_as_received_are_accepted(client, model_name, chat):
+    first = chat(messages=USER, max_tokens=4, temperature=0).choices[0].message
+    sent_back = first.model_dump()  # audio, function_call, annotations, refusal: all null
+    assert {"audio", "function_call", "annotations", "refusal"} <= set(sent_back)
+    messages = [*USER, sent_back, {"role": "user", "content": "And tomorrow?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=model_name, messages=messages, max_tokens=4, temperature=0
+    )
+    assert raw.parse().choices[0].message.content is not None
+    assert "X-Tandem-Ignored-Fields" not in raw.headers  # null fields ask for nothing
+    # A set but unused field is named back; a legacy function_call is used as the tool call.
+    legacy = {"role": "assistant", "content": None, "audio": {"id": "audio_1"},
+              "function_call": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(
+        model=model_name, messages=[*USER, legacy, {"role": "user", "content": "ok"}],
+        max_tokens=4, temperature=0,
+    )  # fmt: skip
+    assert raw.headers["X-Tandem-Ignored-Fields"] == "messages%5B1%5D.audio"
+
+
+def test_current_openai_fields_are_accepted_and_named(client, model_name):
+    fields = {"store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+              "reasoning_effort": "low", "prompt_cache_key": "u1", "safety_identifier": "h"}  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(
+        model=model_name, messages=USER, max_tokens=2, modalities=["text"], **fields
+    )
+    assert sorted(raw.headers["X-Tandem-Ignored-Fields"].split(",")) == sorted(fields)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=model_name, messages=USER, max_tokens=2, modalities=["text", "audio"]
+        )
+    assert e.value.body["param"] == "modalities" and "audio" not in e.value.body["param"]
+
+
+def test_model_id_is_the_directory_name_and_the_path_still_works(client, model_name, interop_model):
+    assert "/" not in model_name and model_name == interop_model.name
+    r = client.chat.completions.create(model=str(interop_model), messages=USER, max_tokens=2)
+    assert r.model == model_name

@@ -1,0 +1,61 @@
+"""OpenAI request fields tandem accepts without acting on them, and those it refuses unless
+left empty; the list is OpenAI's chat API as of 2026 (plus the Responses API's shared ones).
+
+An accepted field is named back in `X-Tandem-Ignored-Fields` when it is set (not null), and
+logged once as an OpenAI field with no effect here, so a client sees what was not honoured;
+a field whose request tandem cannot serve is a 400 naming it. Fields of chat messages that
+clients send back as they received them (`audio`, `annotations`, `refusal`, a legacy
+`function_call`) are accepted with their documented types the same way; a legacy
+`function_call` of an assistant message is used as its tool call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> why it has no effect here (the log line says so once per name)
+ACCEPTED = {
+    "store": "chat completions are not stored",
+    "metadata": "requests are not stored, so their metadata is not either",
+    "service_tier": "one tier",
+    "reasoning_effort": "no reasoning budget in these models",
+    "prompt_cache_key": "prefix caching is automatic",
+    "safety_identifier": "no abuse monitoring here",
+    "prediction": "predicted outputs are not used to speed decoding",
+    "verbosity": "no verbosity control",
+}
+# name -> (the values that are fine, why others are refused)
+REFUSED_UNLESS = {
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "web_search_options": ((None,), "web search is not available"),
+}
+MESSAGE_ACCEPTED = ("refusal", "audio", "annotations", "function_call")
+# Fields tandem does not serve, refused unless left at their defaults (router/protocol.py).
+REFUSED = {
+    "suffix": "insertion (suffix) is not supported by these models",
+    "functions": "the legacy 'functions' field is not supported; use 'tools'",
+    "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
+    "spaces_between_special_tokens": "only the default (true) is supported",
+}
+
+
+def refusal(name: str, value: Any) -> str | None:
+    """Why `name` set to `value` cannot be served, or None."""
+    if name not in REFUSED_UNLESS:
+        return None
+    allowed, why = REFUSED_UNLESS[name]
+    return None if value in allowed else f"'{name}': {why}"
+
+
+def message_fields(messages: list[Any]) -> list[str]:
+    """Set message fields tandem does not use, as `messages[i].name` (a legacy
+    `function_call` of an assistant message is used: it becomes the message's tool call)."""
+    out = []
+    for i, message in enumerate(messages):
+        legacy_call = message.role == "assistant" and not message.tool_calls
+        for name in MESSAGE_ACCEPTED:
+            used = name == "function_call" and legacy_call
+            if getattr(message, name) not in (None, [], "") and not used:  # set to something
+                out.append(f"messages[{i}].{name}")
+    return out
