@@ -87,7 +87,7 @@ class Deployment:
                 ray.get(self.controller.start_autoscaler.remote())
         self._start_router()
         print(
-            f"tandem: serving {self.s.served_model_name or self.s.model} on {self.url} "
+            f"tandem: serving {self.router.config.served_model_name} on {self.url} "
             f"({time.perf_counter() - t0:.1f}s to start)",
             flush=True,
         )

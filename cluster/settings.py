@@ -73,7 +73,9 @@ class ServeSettings:
         None,
         "require 'Authorization: Bearer KEY' on every route but /health (or set TANDEM_API_KEY)",
     )
-    served_model_name: str | None = setting(None, "model name in the API (default: --model)")
+    served_model_name: str | None = setting(
+        None, "model name in the API (default: the model directory's name; its path works too)"
+    )
     bind_host: str = setting(
         _router_default("bind_host"),
         "address internal ZMQ/NIXL sockets bind to; 'auto' = this node's IP",
