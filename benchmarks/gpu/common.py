@@ -137,6 +137,19 @@ def profile_top(fn: Callable[[], object], device: torch.device, top: int = 12) -
     }
 
 
+def section_args(doc: str, argv=None):
+    """The flags every section takes: --device, --quick (the CPU dry run's small shapes),
+    --out (the results folder)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    return args, device_from(args.device)
+
+
 def device_from(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")

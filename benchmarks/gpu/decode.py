@@ -13,7 +13,6 @@ Goals: MBU >= 0.70 at batch 1; batch 32 within 1.3x of its bound.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
@@ -23,9 +22,9 @@ from benchmarks.gpu.common import (
     LLAMA3_8B,
     SMALL,
     copy_bandwidth,
-    device_from,
     log,
     profile_top,
+    section_args,
     stats,
     sync,
     timed,
@@ -105,12 +104,7 @@ def measure_batch(engine, batch: int, ctx: int, device, bandwidth: float) -> dic
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    device = device_from(args.device)
+    args, device = section_args(__doc__, argv)
     shape, ctx, batches = (SMALL, 64, (1, 4)) if args.quick else (LLAMA3_8B, 1024, (1, 32))
     bw = copy_bandwidth(device, (64 if args.quick else 2048) * 2**20)
     with tempfile.TemporaryDirectory() as tmp:

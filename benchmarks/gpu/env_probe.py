@@ -7,14 +7,19 @@ same card in the same run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import platform
 import subprocess
 
 import torch
 
-from benchmarks.gpu.common import copy_bandwidth, device_from, gemm_peak, log, write_json
+from benchmarks.gpu.common import (
+    copy_bandwidth,
+    gemm_peak,
+    log,
+    section_args,
+    write_json,
+)
 
 
 def nvidia_smi() -> str | None:
@@ -81,12 +86,8 @@ def probe(device: torch.device, quick: bool) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    write_json(args.out, "env.json", probe(device_from(args.device), args.quick))
+    args, device = section_args(__doc__, argv)
+    write_json(args.out, "env.json", probe(device, args.quick))
 
 
 if __name__ == "__main__":

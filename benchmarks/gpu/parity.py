@@ -13,13 +13,12 @@ over the positions where both agree so far (transformers' log-softmax of its own
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.common import device_from, log, write_json
+from benchmarks.gpu.common import log, section_args, write_json
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 LENGTHS = (1, 7, 16, 17, 40, 100)
@@ -98,12 +97,7 @@ def check_arch(arch: str, dtype: str, device, root: Path, quick: bool) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    device = device_from(args.device)
+    args, device = section_args(__doc__, argv)
     archs = ARCHS[:2] if args.quick else ARCHS
     dtypes = ("float32",) if args.quick else ("float32", "bfloat16")
     rows = []

@@ -15,7 +15,6 @@ the trained-checkpoint bounds).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import tempfile
 from pathlib import Path
@@ -25,10 +24,10 @@ import torch
 from benchmarks.gpu.common import (
     LLAMA3_8B,
     SMALL,
-    device_from,
     gemm_peak,
     log,
     profile_top,
+    section_args,
     stats,
     sync,
     timed,
@@ -120,12 +119,7 @@ def run_mode(path, device, quantization, sizes, prompt_len, peak):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    device = device_from(args.device)
+    args, device = section_args(__doc__, argv)
     shape, plen, sizes = (SMALL, 128, (256, 512)) if args.quick else (LLAMA3_8B, 1024, (4096, 8192))
     peak = gemm_peak(device, 256 if args.quick else 8192)
     result = {"device": str(device), "shape": shape, "prompt_len": plen, "gemm_bf16": peak}

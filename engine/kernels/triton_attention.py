@@ -76,6 +76,30 @@ def write_kv(
 
 
 @triton.jit
+def _attend_block(q, k, v, pmask, m_i, l_i, acc, scale, cache_dt, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):  # fmt: skip
+    """One block of keys into the running (max, sum, output) of an online softmax."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(pmask[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:  # p rounded to the cache dtype as on the tensor-core path
+        pv = tl.dot(p.to(cache_dt).to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kc_ptr, vc_ptr, table_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     s_qb, s_qh, s_cb, s_cs, s_ch, s_tb,
@@ -113,25 +137,9 @@ def _decode_split_kernel(
             kv_mask = pmask[:, None] & dmask[None, :]
             k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(pmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:  # p rounded to the cache dtype as on the tensor-core path
-                pv = tl.dot(p.to(vc_ptr.dtype.element_ty).to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _attend_block(
+                q, k, v, pmask, m_i, l_i, acc, scale, vc_ptr.dtype.element_ty, IEEE, UPCAST
+            )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
