@@ -123,6 +123,8 @@ class Side:
     tree: Path
     commit: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    unclean_exits: list[dict] = field(default_factory=list)
     router_pid: int = 0
     worker_pid: int = 0
     url: str = ""
@@ -157,12 +159,15 @@ class Side:
                 cmd, cwd=self.tree, env=env, stdout=out, stderr=subprocess.STDOUT
             )
         self.procs.append(proc)
+        self.logs.append(log)
         return proc
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
 
     def stop(self) -> list[int | None]:
+        """SIGTERM every process; their exit codes, in reverse start order. A process that
+        did not end cleanly has its log's tail kept in `unclean_exits` for the report."""
         for p in reversed(self.procs):
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -173,6 +178,10 @@ class Side:
             except subprocess.TimeoutExpired:
                 p.kill()
                 codes.append(p.wait())
+            if codes[-1] not in (0, -signal.SIGTERM):
+                log = self.logs[self.procs.index(p)]
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                self.unclean_exits.append({"cmd": p.args[:3], "code": codes[-1], "log": tail})
         return codes
 
 
@@ -460,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name, side in sides.items():
             exit_codes[name] = side.stop()
+            for bad in side.unclean_exits:
+                print(
+                    f"--- {name}: {bad['cmd']} exited {bad['code']}\n{bad['log']}", file=sys.stderr
+                )
         shutil.rmtree(workdir, ignore_errors=True)
     summary = {name: summarize([r for r in rounds if r["tree"] == name]) for name in sides}
     summary["ratio_req_per_s"] = summary["new"]["req_per_s"] / summary["old"]["req_per_s"]
@@ -476,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "summary": summary,
             "exit_codes": exit_codes,
+            "unclean_exits": {n: s.unclean_exits for n, s in sides.items()},
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import random
 import time
+from collections.abc import Iterator
+from itertools import cycle
 
 import openai
 import torch
@@ -32,6 +35,12 @@ PLANNER_FLAGS = (
     "--interval-s", "2", "--down-cooldown-s", "6", "--down-stable-windows", "2",
     "--slo-ttft-ms", "3000", "--slo-tpot-ms", "500",
     "--signal-interval-s", "1",
+    # The burst hold keeps the workers a recent 1-s peak needs, decaying by half every this
+    # many seconds (15 min by default): short here, or the drain would come minutes later.
+    "--burst-half-life-s", "3",
+    # The length mix and the share of uncached prompt tokens come from this many seconds of
+    # windows: the burst's must leave them before the quiet load's forecast is believed.
+    "--history-s", "10",
 )  # fmt: skip
 
 
@@ -82,6 +91,12 @@ def _prompts(rng: random.Random, n: int, words: int) -> list[str]:
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
+def _interleave(rare: Iterator[str], common: Iterator[str], every: int) -> Iterator[str]:
+    """`rare`'s next prompt as every `every`-th, `common`'s between."""
+    for i in itertools.count():
+        yield next(rare) if i % every == 0 else next(common)
+
+
 class Load:
     """Sends completions at a rate from a rotating prompt set; keeps every answer."""
 
@@ -105,11 +120,12 @@ class Load:
         except Exception as e:  # judged below: every request must complete
             self.results.append((prompt, max_tokens, e))
 
-    async def phase(self, prompts: list[str], rate: float, seconds: float, max_tokens: int):
-        end, i = time.monotonic() + seconds, 0
+    async def phase(self, prompts: Iterator[str], rate: float, seconds: float, max_tokens: int):
+        """Send the next prompts of `prompts` at `rate` per second for `seconds`; the iterator
+        carries on where the previous phase left it."""
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
-            self.tasks.append(asyncio.create_task(self._one(prompts[i % len(prompts)], max_tokens)))
-            i += 1
+            self.tasks.append(asyncio.create_task(self._one(next(prompts), max_tokens)))
             await asyncio.sleep(1.0 / rate)
 
     async def finish(self) -> None:
@@ -125,7 +141,8 @@ async def _until(server, name: str, pool: str, value: float, load: Load, feed, l
     """Keep `feed` sending while waiting for a planner gauge to reach `value`."""
     deadline = time.monotonic() + limit
     while _gauge(server, name, pool) != value:
-        assert time.monotonic() < deadline, (name, pool, server.log_text()[-4000:])
+        planner = {k: v for k, v in server.metrics().items() if k.startswith("tandem_planner")}
+        assert time.monotonic() < deadline, (name, pool, planner, server.log_text()[-4000:])
         await feed()
 
 
@@ -144,7 +161,16 @@ def _log_with(server, lines: tuple[str, ...], timeout_s: float = 30.0) -> str:
 def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_model, tmp_path):
     profile = _profile(e2e_model).save(tmp_path / "profile.json")
     rng = random.Random(7)
-    short, long_ = _prompts(rng, 4, 4), _prompts(rng, 4, 300)
+    short = cycle(_prompts(rng, 4, 4))
+    # The burst's long prompts are all different: a prompt seen before would be a prefix-cache
+    # hit, and the planner sizes for the prompt tokens left to compute, not those that arrive.
+    burst = iter(_prompts(rng, 2000, 300))
+    # The quiet phase: short prompts (prefilled on the decode worker) with a long one every
+    # 12th request, so that requests keep crossing the prefill pool's drain while its demand
+    # stays a small share of one worker's even at the forecast's upper margin. A steady rate
+    # near the burst's keeps the rate forecast's noise estimate low, and 6 requests/s replace
+    # the burst's length mix in the planner's history (200 samples) within ~30 s.
+    quiet = _interleave(cycle(_prompts(rng, 4, 300)), short, every=12)
     flags = ("--dtype", "float32", "--disagg-threshold", str(THRESHOLD))
     flags += ("--served-model-name", "autoscale-model", "--capacity-profile", str(profile))
     with start_serve(e2e_model, *flags, *PLANNER_FLAGS) as server:
@@ -153,20 +179,26 @@ def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_
             load = Load(server.url)
             await load.phase(short, rate=4, seconds=6, max_tokens=6)
             assert _gauge(server, "tandem_planner_desired_replicas", "prefill") == 1
-            # ~8 long prompts/s of ~300 tokens: 2400 tokens/s, over one worker's 1000.
+            # ~8 new long prompts/s of ~300 tokens: 2400 uncached tokens/s, over one worker's
+            # 1000.
             await _until(
                 server, "tandem_planner_replicas", "prefill", 2, load,
-                lambda: load.phase(long_, rate=8, seconds=1, max_tokens=6), limit=120,
+                lambda: load.phase(burst, rate=8, seconds=1, max_tokens=6), limit=120,
             )  # fmt: skip
-            # Quiet: a long prompt every 2 s (150 tokens/s) keeps requests crossing the drain.
             await _until(
                 server, "tandem_planner_replicas", "prefill", 1, load,
-                lambda: load.phase(long_, rate=0.5, seconds=2, max_tokens=24), limit=120,
+                lambda: load.phase(quiet, rate=6, seconds=2, max_tokens=24), limit=120,
             )  # fmt: skip
             await load.finish()
             return load
 
-        load = asyncio.run(scenario())
+        try:
+            load = asyncio.run(scenario())
+        finally:
+            import os
+
+            if os.environ.get("TANDEM_TEST_DUMP"):
+                print(server.log_text())
         log = _log_with(server, ("started by the planner", "drained by the planner"))
         assert "started by the planner" in log and "drained by the planner" in log, log[-3000:]
         failed = [(p[:30], r) for p, _, r in load.results if isinstance(r, BaseException)]
