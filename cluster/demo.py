@@ -1,11 +1,11 @@
-"""`tandem demo` (`make demo`): the whole system on this machine.
+"""`tandem demo` (`make demo`): the whole system on this machine, on a real model.
 
-Makes the `small` seeded-random Llama once (`tools.make_model.cached_model`, in the user's
-cache), starts a local Ray cluster with one
-prefill and one decode actor behind the router, sends a mixed batch of requests through the
-real HTTP API (short prompts take the local-prefill path, long ones the disaggregated path;
-some streamed), prints each request's TTFT, TPOT and where its prefill ran, then a summary,
-and shuts everything down.
+Serves SmolLM2-135M-Instruct (the GGUF file `tandem fetch-model` keeps in the user's cache;
+`make setup` fetches it) on a local Ray cluster with one prefill and one decode actor behind
+the router, sends chat requests through the real HTTP API (short questions take the
+local-prefill path, questions about a passage the disaggregated path; all streamed), prints each
+request's question, the model's answer, where its prefill ran, TTFT and TPOT, then a summary,
+and shuts everything down. `--model` serves another directory or .gguf file instead.
 """
 
 from __future__ import annotations
@@ -14,119 +14,162 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
-WORDS = [
-    "tandem",
-    "splits",
-    "prefill",
-    "and",
-    "decode",
-    "into",
-    "two",
-    "pools",
-    "that",
-    "scale",
-    "on",
-    "their",
-    "own",
-    "while",
-    "the",
-    "router",
-    "streams",
-    "tokens",
-    "back",
-    "to",
-    "every",
-    "client",
-    "as",
-    "soon",
-    "as",
-    "they",
-    "are",
-    "ready",
+# Short questions: their prompts fall under the disaggregation threshold, so the decode worker
+# prefills them itself. Questions about a passage: long prompts, prefilled on the prefill worker
+# and handed to the decode worker over NIXL.
+SHORT_QUESTIONS = [
+    "What is the capital of France?",
+    "Name the three primary colors.",
+    "How many legs does a spider have?",
+    "What is the opposite of hot?",
+    "Which planet is known as the Red Planet?",
+    "Give me a synonym for happy.",
+]
+PASSAGES = [
+    (
+        "The water cycle describes how water moves on, above and below the surface of the "
+        "Earth. Water evaporates from oceans and lakes, rises as vapour, cools and condenses "
+        "into clouds, and falls back as rain or snow. Some of it flows over the land into "
+        "rivers, some soaks into the ground and feeds springs and wells, and plants return "
+        "part of it to the air through their leaves.",
+        "Explain in two sentences how water gets from the ocean back to a river.",
+    ),
+    (
+        "Photosynthesis is the process plants use to make food. In their leaves, chlorophyll "
+        "captures the energy of sunlight, which drives the conversion of carbon dioxide from "
+        "the air and water from the soil into glucose. Oxygen is released as a by-product, "
+        "which is why forests and ocean algae matter so much to the air every animal breathes.",
+        "What do plants need for photosynthesis, and what do they give off?",
+    ),
+    (
+        "The Moon is Earth's only natural satellite. It orbits the Earth about once every 27 "
+        "days and always shows the same face to us, because it spins once on its axis in the "
+        "time it takes to go around the Earth. Its gravity raises the tides in the oceans, and "
+        "its phases, from new moon to full moon, come from how much of its sunlit side we see.",
+        "Why do we always see the same side of the Moon?",
+    ),
+    (
+        "Bees are insects that collect nectar and pollen from flowers. As a bee moves from "
+        "flower to flower, pollen sticks to its hairy body and is carried to the next "
+        "blossom, which lets the plant make seeds and fruit. Honey bees live in colonies with "
+        "one queen, thousands of workers and a few drones, and they turn nectar into honey.",
+        "Why are bees important for fruit?",
+    ),
+    (
+        "A disaggregated LLM server splits the work of answering a prompt in two. Prefill "
+        "reads the whole prompt at once and is limited by compute; decode writes the answer "
+        "one token at a time and is limited by memory bandwidth. Running them in separate "
+        "pools lets each pool use the batch sizes and the number of workers that suit it, and "
+        "the key-value cache that prefill computed is copied to the decode worker.",
+        "Why would someone run prefill and decode on different machines?",
+    ),
+    (
+        "Recycling turns used materials into new products. Paper is soaked and pulped to make "
+        "new paper, glass is crushed and melted to make new bottles, and aluminium cans can be "
+        "melted and reshaped again and again without losing quality. Recycling saves energy "
+        "and raw materials, and it keeps waste out of landfills.",
+        "Which material in the text can be recycled without losing quality?",
+    ),
 ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: make `small`)")
-    p.add_argument("--requests", type=int, default=16)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model directory or .gguf file (default: SmolLM2-135M-Instruct, `tandem fetch-model`)",
+    )
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--disagg-threshold", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
 
 
-async def _one(
-    session, url: str, i: int, prompt: str, max_tokens: int, stream: bool, delay: float
-) -> dict:
+def _messages(i: int) -> tuple[str, list[dict]]:
+    """The i-th request: (what to print as its question, its chat messages). Even requests ask
+    a short question, odd ones ask about a passage (a long prompt)."""
+    if i % 2 == 0:
+        question = SHORT_QUESTIONS[(i // 2) % len(SHORT_QUESTIONS)]
+        return question, [{"role": "user", "content": question}]
+    passage, question = PASSAGES[(i // 2) % len(PASSAGES)]
+    return f"[passage] {question}", [{"role": "user", "content": f"{passage}\n\n{question}"}]
+
+
+async def _one(session, url: str, i: int, max_tokens: int, delay: float) -> dict:
+    """One streamed chat completion; TTFT and TPOT measured per token at the client."""
     await asyncio.sleep(delay)
+    question, messages = _messages(i)
     body = {
         "model": "demo",
-        "prompt": prompt,
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
     t0 = time.perf_counter()
     stamps: list[float] = []
-    async with session.post(url + "/v1/completions", json=body) as resp:
+    text, usage = [], {}
+    async with session.post(url + "/v1/chat/completions", json=body) as resp:
         headers = resp.headers
         if resp.status != 200:
-            return {"i": i, "error": f"HTTP {resp.status}: {await resp.text()}"}
-        if stream:
-            async for raw in resp.content:
-                line = raw.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    if json.loads(line[6:])["choices"][0]["text"]:
-                        stamps.append(time.perf_counter())
-            usage_tokens = max(len(stamps), 1)
-        else:
-            data = await resp.json()
-            stamps.append(time.perf_counter())
-            usage_tokens = data["usage"]["completion_tokens"]
+            return {
+                "i": i,
+                "question": question,
+                "error": f"HTTP {resp.status}: {await resp.text()}",
+            }
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices", []):
+                if choice["delta"].get("content"):
+                    stamps.append(time.perf_counter())
+                    text.append(choice["delta"]["content"])
     end = time.perf_counter()
-    prompt_tokens = None
-    ttft = stamps[0] - t0 if stream and stamps else None
-    tpot = (end - stamps[0]) / (len(stamps) - 1) if stream and len(stamps) > 1 else None
     return {
         "i": i,
-        "stream": stream,
+        "question": question,
+        "answer": "".join(text),
         "path": headers.get("X-Tandem-Path", "?"),
         "prefill": headers.get("X-Tandem-Prefill-Worker", "?"),
         "decode": headers.get("X-Tandem-Decode-Worker", "?"),
-        "tokens": usage_tokens,
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "tokens": usage.get("completion_tokens", len(stamps)),
         "e2e": end - t0,
-        "ttft": ttft,
-        "tpot": tpot,
-        "prompt_tokens": prompt_tokens,
+        "ttft": stamps[0] - t0 if stamps else None,
+        "tpot": (end - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None,
     }
 
 
-async def _drive(url: str, n: int, seed: int) -> list[dict]:
+async def _drive(url: str, n: int, max_tokens: int) -> list[dict]:
     import aiohttp
 
-    rng = random.Random(seed)
-    jobs = []
-    for i in range(n):
-        long = i % 2 == 0
-        words = rng.randint(120, 300) if long else rng.randint(3, 20)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-        # Every request streams, so TTFT and TPOT are measured per token at the client.
-        jobs.append((i, prompt, rng.randint(24, 64), True, i * 0.15))
     async with aiohttp.ClientSession() as session:
-        return await asyncio.gather(*(_one(session, url, *j) for j in jobs))
+        return await asyncio.gather(
+            *(_one(session, url, i, max_tokens, i * 0.15) for i in range(n))
+        )
+
+
+def _default_model() -> Path:
+    from tools.real_model import fetch_model
+
+    return fetch_model("smollm2")
 
 
 def run(args: argparse.Namespace) -> int:
     from cluster.serve import Deployment, ServeSettings
-    from tools.make_model import cached_model
 
     t0 = time.perf_counter()
-    model = Path(args.model) if args.model else cached_model(seed=args.seed)
+    model = Path(args.model) if args.model else _default_model()
     settings = ServeSettings(
         model=str(model),
         prefill=1,
@@ -139,11 +182,12 @@ def run(args: argparse.Namespace) -> int:
     )
     with Deployment(settings) as dep:
         print(
-            f"\nsending {args.requests} requests (half short: local prefill on the decode "
-            f"worker; half long: prefill worker + NIXL hand-off)\n",
+            f"\nsending {args.requests} chat requests to {model.name} (short questions: local "
+            f"prefill on the decode worker; questions about a passage: prefill worker + NIXL "
+            f"hand-off)\n",
             flush=True,
         )
-        results = asyncio.run(_drive(dep.url, args.requests, args.seed))
+        results = asyncio.run(_drive(dep.url, args.requests, args.max_tokens))
         time.sleep(1.0)  # let the last load reports reach the controller
         loads = dep.worker_loads()
     failed = [r for r in results if "error" in r]
@@ -154,19 +198,28 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
 def _print_requests(results: list[dict]) -> None:
-    print(
-        f"{'req':>3}  {'path':<6} {'prefill on':<10} {'decode on':<9} {'tokens':>6} "
-        f"{'TTFT ms':>8} {'TPOT ms':>8} {'E2E ms':>8}"
-    )
+    """Each request: its question and answer, then where its prefill ran and its latencies."""
     for r in results:
+        print(f"[{r['i']}] Q: {r['question']}")
         if "error" in r:
-            print(f"{r['i']:>3}  FAILED {r['error']}")
+            print(f"    FAILED {r['error']}\n")
             continue
+        answer = textwrap.fill(
+            " ".join(r["answer"].split()) or "(empty)",
+            width=96,
+            initial_indent="    A: ",
+            subsequent_indent="       ",
+        )
+        print(answer)
+        where = "decode worker (local)" if r["path"] == "local" else f"{r['prefill']} (remote)"
         print(
-            f"{r['i']:>3}  {r['path']:<6} {r['prefill']:<10} {r['decode']:<9} "
-            f"{r['tokens']:>6} {r['ttft'] * 1e3:>8.1f} {r['tpot'] * 1e3:>8.1f} "
-            f"{r['e2e'] * 1e3:>8.1f}"
+            f"    prefill on {where}, decode on {r['decode']}; {r['prompt_tokens']} prompt + "
+            f"{r['tokens']} answer tokens; TTFT {_ms(r['ttft'])} ms, TPOT {_ms(r['tpot'])} ms\n"
         )
 
 

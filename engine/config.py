@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.gguf_file import architecture_of, is_gguf
 from engine.model_info import context_window, eos_token_ids, load_hf_config
 from engine.quantization.checkpoint import read_fp8_checkpoint
 
@@ -84,11 +85,13 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
         path = str(path)
-        if not Path(path, "config.json").is_file():
-            raise FileNotFoundError(f"{path} has no config.json (a local HF model directory)")
+        gguf = is_gguf(path)
+        if not gguf and not Path(path, "config.json").is_file():
+            raise FileNotFoundError(
+                f"{path} has no config.json (a local HF model directory, or a .gguf file)"
+            )
         hf = load_hf_config(path)
-        archs = getattr(hf, "architectures", None) or []
-        arch = archs[0] if archs else ""
+        arch = architecture_of(hf)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False))
@@ -99,7 +102,9 @@ class ModelConfig:
         ):
             sliding = None
         eos = eos_token_ids(path, hf)
-        fp8 = read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
+        fp8 = (
+            None if gguf else read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
+        )
         return cls(
             path=path,
             architecture=arch,

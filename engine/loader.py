@@ -1,6 +1,7 @@
 """Build a model and fill its weights: from a local Hugging Face directory (safetensors,
-sharded or not, full precision or FP8 (engine.quantization.checkpoint), with a progress bar)
-or, with `load_format="dummy"`, from a seeded RNG; then quantize what the pool asks for."""
+sharded or not, full precision or FP8 (engine.quantization.checkpoint), with a progress bar),
+from a GGUF file (engine/gguf_file.py: dequantized to float32, then to the serving dtype) or,
+with `load_format="dummy"`, from a seeded RNG; then quantize what the pool asks for."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import ModelConfig
+from engine.gguf_file import GGUFCheckpoint, is_gguf
 from engine.models import CausalLM
 from engine.models.linear import Linear
 from engine.quantization import fp8
@@ -149,6 +151,27 @@ class _Checkpoint:
         return self.files[self.where[name]].get_tensor(name)
 
 
+def _hf_names(model: CausalLM) -> list[str]:
+    """The transformers names of the model's weights (fused projections split back into their
+    parts; the head always, tied or not)."""
+    names = {"lm_head.weight"}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        fused = next((f for f in model.packed_modules if f".{f}." in name), None)
+        if fused is None:
+            names.add(name)
+        else:
+            names.update(name.replace(f".{fused}.", f".{p}.") for p in model.packed_modules[fused])
+    return sorted(names)
+
+
+def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack):
+    """The weights at `path` by transformers name: a GGUF file or safetensors files."""
+    if is_gguf(path):
+        cfg = model.cfg
+        return GGUFCheckpoint(path, _hf_names(model), cfg.num_heads, cfg.num_kv_heads)
+    return _Checkpoint(path, stack)
+
+
 def load_safetensors(model: CausalLM, path: str) -> None:
     ckpt = model.cfg.fp8_checkpoint
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -161,7 +184,7 @@ def load_safetensors(model: CausalLM, path: str) -> None:
     expected |= set(fp8_layers)
     loaded: set[str] = set()
     with contextlib.ExitStack() as stack, torch.no_grad():
-        files = _Checkpoint(path, stack)
+        files = _open_checkpoint(model, path, stack)
         names = [n for n in files.where if not n.endswith(_SCALE_SUFFIXES)]
         for hf_name in tqdm(names, desc="loading weights", unit="tensor"):
             if "rotary_emb.inv_freq" in hf_name:
@@ -179,7 +202,17 @@ def load_safetensors(model: CausalLM, path: str) -> None:
                 continue
             else:
                 raise ValueError(f"unexpected weight {hf_name!r} in {files.where[hf_name]}")
-            loaded.add(name)
+            loaded.add(name if idx is None else f"{name}[{idx}]")
+    # A fused projection counts as loaded only with every part: one part missing (an up_proj
+    # without its gate_proj) would otherwise leave rows of uninitialised memory.
+    fused = {
+        n: len(parts)
+        for n in expected
+        for f, parts in model.packed_modules.items()
+        if f".{f}." in n
+    }
+    expected = {n for n in expected if n not in fused}
+    expected |= {f"{n}[{i}]" for n, count in fused.items() for i in range(count)}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights: {sorted(missing)[:5]}")

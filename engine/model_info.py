@@ -1,5 +1,5 @@
-"""What a local Hugging Face model directory says about serving it, read in one place for the
-router and the engine: the tokenizer (and its chat template), the context window, the
+"""What a local Hugging Face model directory (or GGUF file) says about serving it, read in one
+place for the router and the engine: the tokenizer (and its chat template), the context window, the
 vocabulary size, the EOS ids and the sampling defaults of generation_config.json.
 
 Lifecycle: the router calls `read_model_info(path, max_model_len)` once at start-up (in a
@@ -19,6 +19,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.gguf_file import hf_source, is_gguf
 
 # generation_config.json fields that become sampling defaults (vLLM applies the same ones).
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -43,6 +45,8 @@ class ModelInfo:
 
 
 def has_tokenizer(model: str | Path) -> bool:
+    if is_gguf(model):  # the vocabulary is in the file's metadata (checked with it)
+        return Path(model).is_file()
     return any(Path(model, f).is_file() for f in _TOKENIZER_FILES)
 
 
@@ -53,14 +57,17 @@ def load_tokenizer(model: str | Path, *, required: bool = False) -> Any:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model))
+    path, kwargs = hf_source(model)
+    return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def load_hf_config(model: str | Path) -> Any:
-    """config.json through transformers' AutoConfig (4.x and 5.x keys both understood)."""
+    """config.json (or a GGUF file's metadata) through transformers' AutoConfig (4.x and 5.x
+    keys both understood)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model))
+    path, kwargs = hf_source(model)
+    return AutoConfig.from_pretrained(path, **kwargs)
 
 
 def context_window(hf_config: Any, cap: int | None, model: str | Path = "") -> int:
@@ -88,7 +95,7 @@ def eos_token_ids(model: str | Path, hf_config: Any) -> tuple[int, ...]:
     config.json's, without repeats."""
     ids: list[int] = []
     gen = Path(model, "generation_config.json")
-    if gen.is_file():
+    if not is_gguf(model) and gen.is_file():
         ids += _id_list(json.loads(gen.read_text()).get("eos_token_id"))
     ids += _id_list(getattr(hf_config, "eos_token_id", None))
     return tuple(dict.fromkeys(int(i) for i in ids))
@@ -97,7 +104,7 @@ def eos_token_ids(model: str | Path, hf_config: Any) -> tuple[int, ...]:
 def generation_defaults(model: str | Path) -> dict:
     """The sampling fields a model's generation_config.json sets (absent file: none)."""
     path = Path(model, "generation_config.json")
-    if not path.is_file():
+    if is_gguf(model) or not path.is_file():
         return {}
     config = json.loads(path.read_text())
     return {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config_flags import add_flags, setting, values_from_args
+from engine.gguf_file import is_gguf, served_name
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
 
@@ -99,9 +100,12 @@ class RouterConfig:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError("model_path must be a non-empty string")
         if self.served_model_name is None:
-            # The directory's name, not the path: clients split model names on "/".
+            # The directory's name (a GGUF file's without .gguf), not the path: clients split
+            # model names on "/".
             self.served_model_name = (
-                os.path.basename(self.model_path.rstrip("/")) or self.model_path
+                served_name(self.model_path)
+                if is_gguf(self.model_path)
+                else os.path.basename(self.model_path.rstrip("/")) or self.model_path
             )
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")

