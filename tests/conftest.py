@@ -61,3 +61,14 @@ def smollm2_gguf() -> Path:
     from tools.real_model import fetch_model
 
     return fetch_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """transformers' own reading of the SmolLM2 GGUF file (fp32 model, tokenizer): the
+    reference the real-model tests compare to, loaded once per session (~13 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf.parent, smollm2_gguf.name
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(folder, gguf_file=name)

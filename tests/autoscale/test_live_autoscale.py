@@ -168,8 +168,8 @@ def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_
     # The quiet phase: short prompts (prefilled on the decode worker) with a long one every
     # 12th request, so that requests keep crossing the prefill pool's drain while its demand
     # stays a small share of one worker's even at the forecast's upper margin. A steady rate
-    # near the burst's keeps the rate forecast's noise estimate low, and 6 requests/s replace
-    # the burst's length mix in the planner's history (200 samples) within ~30 s.
+    # near the burst's keeps the rate forecast's noise estimate low, and 10 requests/s replace
+    # the burst's length mix in the planner's history (200 samples) within ~20 s.
     quiet = _interleave(cycle(_prompts(rng, 4, 300)), short, every=12)
     flags = ("--dtype", "float32", "--disagg-threshold", str(THRESHOLD))
     flags += ("--served-model-name", "autoscale-model", "--capacity-profile", str(profile))
@@ -187,7 +187,7 @@ def test_prompt_shift_adds_a_prefill_worker_and_idle_drains_it(start_serve, e2e_
             )  # fmt: skip
             await _until(
                 server, "tandem_planner_replicas", "prefill", 1, load,
-                lambda: load.phase(quiet, rate=6, seconds=2, max_tokens=24), limit=120,
+                lambda: load.phase(quiet, rate=10, seconds=2, max_tokens=24), limit=120,
             )  # fmt: skip
             await load.finish()
             return load

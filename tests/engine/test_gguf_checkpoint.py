@@ -1,9 +1,10 @@
 """GGUF checkpoints in the engine (engine/gguf_file.py): `LLM("model.gguf")` is token-exact
-with transformers (fp32) on SmolLM2-135M-Instruct's registry file (Q4_1/Q8_0 tensors; logprobs
-equal transformers' log-softmax) and on GGUF files written from the random test models of each
+with transformers (fp32) on GGUF files written from the random test models of each
 architecture (tests/engine/gguf_writer.py, llama.cpp's layout): against the checkpoint they came
 from for F32 files, against transformers reading the same file for Q8_0. A damaged or
-unsupported file fails at load with an error naming the field or tensor."""
+unsupported file fails at load with an error naming the field or tensor. SmolLM2-135M-Instruct's
+registry file (Q4_1/Q8_0 tensors) is checked served, through both pools, in
+tests/e2e/test_real_model_live.py."""
 
 from __future__ import annotations
 
@@ -90,34 +91,6 @@ def test_q8_0_gguf_token_exact_with_transformers_on_the_same_file(gguf_of):
     got = _tandem_greedy(path, PROMPTS)
     for prompt, ids in zip(PROMPTS, got, strict=True):
         assert ids == _hf_greedy(model, tok, prompt), prompt
-
-
-@pytest.mark.slow
-def test_smollm2_token_exact_and_logprobs_equal_log_softmax(smollm2_gguf):
-    from transformers import AutoModelForCausalLM
-
-    llm = LLM(str(smollm2_gguf), dtype="float32", num_kv_blocks=64)
-    tok = llm.tokenizer
-    questions = ("What is the capital of France?", "Name the three primary colors.")
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-        for q in questions
-    ]
-    prompts = [list(p["input_ids"] if hasattr(p, "keys") else p) for p in prompts]
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
-    outs = llm.generate(prompts, sp)
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-    assert "Paris" in tok.decode(outs[0].token_ids)
-    for ids, out in zip(prompts, outs, strict=True):
-        full = torch.tensor([ids + list(out.token_ids)])
-        with torch.no_grad():
-            logits = model(full).logits[0, len(ids) - 1 : -1]
-        ref = torch.log_softmax(logits.double(), dim=-1)
-        assert list(out.token_ids) == ref.argmax(-1).tolist()
-        for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
-            assert entry[0] == pytest.approx(float(ref[step, token]), abs=1e-4), step
 
 
 # ------------------------------------------------------------------ damaged and unsupported files
