@@ -73,8 +73,9 @@ def _decode_step_time(llm, prompts, steps: int) -> float:
     rids = [f"decode-timing-{i}" for i in range(len(prompts))]
     for rid, ids in zip(rids, prompts, strict=True):
         engine.add_request(rid, ids, sp)
-    while any(not engine.seqs[rid].output_token_ids for rid in rids):
-        engine.step()
+    started: set[str] = set()  # requests with a first token: their prefill is done
+    while len(started) < len(rids):
+        started.update(out.request_id for out in engine.step() if out.token_ids)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()

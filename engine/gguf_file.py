@@ -31,13 +31,10 @@ from pathlib import Path
 from typing import Any
 
 GGUF_SUFFIX = ".gguf"
-# GGUF architecture -> the transformers class tandem builds for it. llama.cpp writes Mistral
-# as "llama" (transformers tells them apart by general.name; so does `architecture_of`).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# The GGUF architectures tandem serves. llama.cpp writes Mistral as "llama" (transformers
+# tells them apart by general.name, then `architecture_of` by the config's model_type).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+# A config's model_type -> the transformers class tandem builds for it.
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -89,7 +86,7 @@ def converted_metadata(path: str) -> Path:
     ask; saved once, every later reader takes ~0.2 s. The folder is named by the file's name,
     size and mtime, written under a temporary name and renamed (processes race at start-up)."""
     arch = check_gguf(path)
-    st = Path(path).stat()
+    st = os.stat(path)
     out = cache_root() / f"{Path(path).name}-{st.st_size}-{st.st_mtime_ns}"
     if (out / COMPLETE_MARKER).is_file():
         return out
@@ -146,8 +143,17 @@ def _fix_config(config: Any, reader, path: str, arch: str) -> None:
 
 
 def _reader(path: str):
+    """The file's parsed metadata and tensor index (memory-mapped), one per file version in a
+    process: parsing reads every field, the whole vocabulary included, and the config check,
+    the metadata conversion and the weight loader all need it."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
+    st = os.stat(path)
+    return _open_reader(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: str, mtime_ns: int, size: int):
     from gguf import GGUFReader
 
     try:
@@ -170,8 +176,9 @@ def _field(reader, path: str, key: str, required: bool = True) -> Any:
         raise GGUFError(f"{path}: metadata field {key!r} is unreadable ({e})") from e
 
 
-@functools.lru_cache(maxsize=8)
-def _checked(path: str, mtime_ns: int, size: int) -> str:
+def check_gguf(path: str) -> str:
+    """The file's GGUF architecture, after checking it is one tandem serves and that the
+    metadata a config needs is there (GGUFError naming the field otherwise)."""
     reader = _reader(path)
     arch = _field(reader, path, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -186,16 +193,6 @@ def _checked(path: str, mtime_ns: int, size: int) -> str:
     for name in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
         _field(reader, path, name)
     return arch
-
-
-def check_gguf(path: str) -> str:
-    """The file's GGUF architecture, after checking it is one tandem serves and that the
-    metadata a config needs is there (GGUFError naming the field otherwise). Cached per file
-    version: the router, the engine and each worker ask once."""
-    st = Path(path).stat() if Path(path).is_file() else None
-    if st is None:
-        raise FileNotFoundError(f"{path}: no such GGUF file")
-    return _checked(path, st.st_mtime_ns, st.st_size)
 
 
 def architecture_of(hf_config: Any) -> str:
@@ -267,9 +264,8 @@ class GGUFCheckpoint:
         import gguf
 
         self.path = path
-        arch = check_gguf(path)
+        self.arch = arch = check_gguf(path)
         self.reader = _reader(path)
-        self.arch = arch
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
         n_blocks = _field(self.reader, path, f"{arch}.block_count")
@@ -305,8 +301,7 @@ class GGUFCheckpoint:
         values = np.ascontiguousarray(values, dtype=np.float32)
         kind = t.name.split(".")[-2] if t.name.count(".") >= 2 else ""
         if self.arch == "llama" and kind in self.heads:
-            values = _reverse_permute(values, self.heads[kind])
-        values = np.ascontiguousarray(values)
+            values = _reverse_permute(values, self.heads[kind])  # a new, contiguous array
         # An F32 tensor comes back as a read-only view of the mapped file: copied, so the
         # tensor owns memory it may write (the load then copies it into the model anyway).
         return torch.from_numpy(values if values.flags.writeable else values.copy())

@@ -53,9 +53,9 @@ def build_model(
     elif cfg.fp8_checkpoint is not None:
         # The checkpoint's layout: its FP8 layers, and the layers it ignores stay full.
         prepare_fp8_layers(model, cfg.fp8_checkpoint, activations=quantization == "fp8")
-        load_safetensors(model, cfg.path)
+        load_weights(model, cfg.path)
     else:
-        load_safetensors(model, cfg.path)
+        load_weights(model, cfg.path)
         model.quantize(quantization)
     return model.eval().requires_grad_(False)
 
@@ -151,12 +151,17 @@ class _Checkpoint:
         return self.files[self.where[name]].get_tensor(name)
 
 
+def _fused_of(model: CausalLM, name: str) -> str | None:
+    """The fused module (`qkv_proj`, `gate_up_proj`) a parameter name belongs to, if any."""
+    return next((f for f in model.packed_modules if f".{f}." in name), None)
+
+
 def _hf_names(model: CausalLM) -> list[str]:
     """The transformers names of the model's weights (fused projections split back into their
     parts; the head always, tied or not)."""
     names = {"lm_head.weight"}
     for name, _ in model.named_parameters(remove_duplicate=False):
-        fused = next((f for f in model.packed_modules if f".{f}." in name), None)
+        fused = _fused_of(model, name)
         if fused is None:
             names.add(name)
         else:
@@ -172,7 +177,9 @@ def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack):
     return _Checkpoint(path, stack)
 
 
-def load_safetensors(model: CausalLM, path: str) -> None:
+def load_weights(model: CausalLM, path: str) -> None:
+    """Fill `model` from the checkpoint at `path` (safetensors files or a GGUF file); every
+    weight it expects must be there, every tensor there must be one it has."""
     ckpt = model.cfg.fp8_checkpoint
     params = dict(model.named_parameters(remove_duplicate=False))
     fp8_layers = {
@@ -205,12 +212,7 @@ def load_safetensors(model: CausalLM, path: str) -> None:
             loaded.add(name if idx is None else f"{name}[{idx}]")
     # A fused projection counts as loaded only with every part: one part missing (an up_proj
     # without its gate_proj) would otherwise leave rows of uninitialised memory.
-    fused = {
-        n: len(parts)
-        for n in expected
-        for f, parts in model.packed_modules.items()
-        if f".{f}." in n
-    }
+    fused = {n: len(model.packed_modules[f]) for n in expected if (f := _fused_of(model, n))}
     expected = {n for n in expected if n not in fused}
     expected |= {f"{n}[{i}]" for n, count in fused.items() for i in range(count)}
     missing = expected - loaded

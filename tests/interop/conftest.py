@@ -28,7 +28,7 @@ def interop_model(make_tiny_model) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(interop_model) -> Reference:
-    return Reference(interop_model)
+    return Reference.from_dir(interop_model)
 
 
 @pytest.fixture(scope="module")

@@ -62,15 +62,19 @@ class Processing:
 
 
 class Reference:
-    def __init__(self, model_dir: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    """A transformers model (fp32, eval) and its tokenizer; `from_dir` loads a model folder."""
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32
-        ).eval()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    def __init__(self, model, tokenizer) -> None:
+        self.model, self.tokenizer = model, tokenizer
         eos = self.model.generation_config.eos_token_id
         self.eos = tuple(eos) if isinstance(eos, list) else (eos,)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> Reference:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        return cls(model.eval(), AutoTokenizer.from_pretrained(str(model_dir)))
 
     # ------------------------------------------------------------------ tokens and text
 

@@ -11,63 +11,22 @@ tokens, and every generation equals transformers' greedy text cut at the stop st
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 
-from .reference import TOL, Reference
+from .lm_eval_client import encode_pair, evaluate
+from .reference import TOL
 
-TASKS = Path(__file__).parent / "tasks"
 MC, GEN = "tandem_interop_mc", "tandem_interop_gen"
 MC_DOCS, GEN_DOCS = 6, 4  # lines of tasks/tandem_interop_mc.jsonl, tandem_interop_gen.jsonl
 MC_REQUESTS = 20  # choices over the questions of tandem_interop_mc.jsonl
 GEN_MAX_TOKENS = 8  # max_gen_toks of tandem_interop_gen.yaml
 
 
-def _encode_pair(reference: Reference, context: str, continuation: str):
-    """lm-eval's TemplateLM._encode_pair for a causal model (no special tokens added):
-    trailing spaces move to the continuation, the whole string is encoded and split at the
-    context's length."""
-    n_spaces = len(context) - len(context.rstrip())
-    if n_spaces:
-        context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
-    tok = reference.tokenizer
-    whole = tok(context + continuation, add_special_tokens=False)["input_ids"]
-    ctx = tok(context, add_special_tokens=False)["input_ids"]
-    return list(ctx), list(whole[len(ctx) :])
-
-
 @pytest.fixture(scope="module")
 def evaluation(server, model_name, interop_model, tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    try:
-        mp.chdir(TASKS)  # the task YAMLs name their jsonl files relative to the working dir
-        # `datasets` reads these when first imported: its cache out of ~, off the network.
-        mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
-        mp.setenv("HF_DATASETS_OFFLINE", "1")
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-
-        return lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args={
-                "base_url": f"{server.url}/v1/completions",
-                "model": model_name,
-                "tokenizer": str(interop_model),
-                "tokenizer_backend": "huggingface",
-                "tokenized_requests": True,
-                "num_concurrent": 2,
-                "batch_size": 4,
-                "max_retries": 1,
-                "timeout": 120,
-            },
-            tasks=[MC, GEN],
-            task_manager=TaskManager(include_path=str(TASKS), include_defaults=False),
-            log_samples=True,
-            bootstrap_iters=0,
-        )
-    finally:
-        mp.undo()
+    cache = tmp_path_factory.mktemp("hf-datasets")
+    return evaluate(server.url, model_name, str(interop_model), [MC, GEN], cache)
 
 
 def test_both_tasks_complete(evaluation):
@@ -85,7 +44,7 @@ def test_loglikelihoods_equal_transformers(evaluation, reference):
         for (context, continuation), resps in zip(
             sample["arguments"], sample["resps"], strict=True
         ):
-            ctx, cont = _encode_pair(reference, context, continuation)
+            ctx, cont = encode_pair(reference.tokenizer, context, continuation)
             assert cont, (context, continuation)
             (logprob, is_greedy), *_ = resps
             want, want_greedy = reference.continuation(ctx, cont)
