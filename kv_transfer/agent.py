@@ -72,7 +72,7 @@ from kv_transfer.messages import (
     HelloReply,
     PeerPolicy,
 )
-from kv_transfer.nixl import NixlEndpoint
+from kv_transfer.nixl import NixlEndpoint, default_max_read_bytes
 from kv_transfer.receiver import Receiver, ReceiverConfig
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel
@@ -92,7 +92,7 @@ class KVTransferAgent:
         peer_timeout_s: float = 3.0,
         heartbeat_s: float | None = None,
         handshake_timeout_s: float = 5.0,
-        max_read_bytes: int = 64 << 20,
+        max_read_bytes: int | None = None,
         max_frame_bytes: int = MAX_SIDE_FRAME_BYTES,
         warmup: bool = True,
         advertise_host: str | None = None,
@@ -111,6 +111,8 @@ class KVTransferAgent:
             min(0.5, lease_seconds / 4) if heartbeat_s is None else heartbeat_s
         )
         self.handshake_timeout_s = float(handshake_timeout_s)
+        if max_read_bytes is None:
+            max_read_bytes = default_max_read_bytes(kv_cache.device)
         self.max_read_bytes = int(max_read_bytes)
         self.max_frame_bytes = int(max_frame_bytes)
         self._check_settings()

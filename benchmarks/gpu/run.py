@@ -28,10 +28,12 @@ from benchmarks.gpu.common import REPO, log, write_json
 SECTIONS = [("env", 45), ("parity", 100), ("decode", 110), ("prefill", 90), ("nixl", 60),
             ("tests", 150), ("nixl_probe", 80)]  # fmt: skip
 # Which UCX transport carries VRAM reads between two processes decides NIXL's bandwidth: the
-# probe reads small caches with UCX logging on, then with only the CUDA transports allowed.
+# probe reads small caches with UCX logging on, as tandem runs (cuda_ipc's get allowed,
+# kv_transfer.nixl.allow_cuda_ipc_reads), then with it off as UCX has it without NVLink
+# (software emulation through host memory: run 3's 0.0007 of a device copy).
 PROBES = {
     "default": {"UCX_LOG_LEVEL": "info"},
-    "cuda_only": {"UCX_TLS": "cuda_ipc,cuda_copy,sm,self", "UCX_LOG_LEVEL": "info"},
+    "cuda_ipc_get_off": {"UCX_LOG_LEVEL": "info", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"},
 }
 MODULES = {"env": "benchmarks.gpu.env_probe", "nixl": "benchmarks.gpu.nixl_bandwidth"}
 TEST_FILES = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -28,7 +29,13 @@ from kv_transfer.messages import (
     KVReady,
     RenewReply,
 )
-from kv_transfer.nixl import BlockRegion, chunk
+from kv_transfer.nixl import (
+    CUDA_IPC_GET_ENV,
+    BlockRegion,
+    allow_cuda_ipc_reads,
+    chunk,
+    default_max_read_bytes,
+)
 
 S = TransferState
 
@@ -210,3 +217,21 @@ def test_wildcard_bind_is_advertised_under_a_routable_host():
     assert advertised_endpoint("tcp://127.0.0.1:5000", None) == "tcp://127.0.0.1:5000"
     assert advertised_endpoint("tcp://0.0.0.0:5000", "10.0.0.7") == "tcp://10.0.0.7:5000"
     assert not advertised_endpoint("tcp://0.0.0.0:5000", None).startswith("tcp://0.0.0.0")
+
+
+def test_reads_are_chunked_small_in_host_memory_and_large_in_vram():
+    host, vram = (
+        default_max_read_bytes(torch.device("cpu")),
+        default_max_read_bytes(torch.device("cuda", 0)),
+    )
+    assert host == 64 << 20  # bounds how long one poll() copies on CPU
+    assert vram >= 1 << 30  # a VRAM post only enqueues copies; few READs keep the bandwidth
+
+
+def test_cuda_ipc_reads_are_allowed_unless_the_operator_said_otherwise(monkeypatch):
+    monkeypatch.delenv(CUDA_IPC_GET_ENV, raising=False)
+    allow_cuda_ipc_reads()
+    assert os.environ[CUDA_IPC_GET_ENV] == "y"
+    monkeypatch.setenv(CUDA_IPC_GET_ENV, "n")
+    allow_cuda_ipc_reads()
+    assert os.environ[CUDA_IPC_GET_ENV] == "n"
