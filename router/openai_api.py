@@ -37,6 +37,7 @@ from router import generic_tools, openai_fields
 from router.errors import APIError, api_error, bad_request
 from router.openai_fields import ACCEPTED
 from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from router.tools import auto_tools_grammar
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # unknown field names already logged
@@ -64,6 +65,9 @@ class ParsedRequest:
     tool_choice: Any = None
     tool_format: str | None = None  # the parser of "auto" tool calls (router/tools.py)
     parallel_tool_calls: bool = True  # False: at most one call is returned
+    # "auto" calls constrained by router/tools.py auto_tools_grammar: a call the model opens is
+    # valid, so its arguments stream as they come and a cut one is returned.
+    tool_grammar: bool = False
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -226,9 +230,10 @@ class RequestParser:
         tools = getattr(req, "_tools", None)
         choice = getattr(req, "_tool_choice", None)
         auto = bool(tools) and choice == "auto"
+        structured = self._structured(req, auto)
         sampling = SamplingParams(
             max_tokens=max_tokens,
-            structured=self._structured(req),
+            structured=structured,
             **self._sampling_fields(req),
             **{"n": req.n, "logprobs": logprobs, "prompt_logprobs": req.prompt_logprobs}
             | (engine or {}),
@@ -253,13 +258,19 @@ class RequestParser:
             tool_choice=choice,
             tool_format=(self.tool_format or generic_tools.FORMAT) if auto else None,
             parallel_tool_calls=getattr(req, "parallel_tool_calls", None) is not False,
+            tool_grammar=auto and structured is not None and req._structured is None,
             ignored_fields=_ignored(req),
         )
 
-    def _structured(self, req: Any) -> tuple[str, str] | None:
-        if req._structured is None:
+    def _structured(self, req: Any, auto_tools: bool) -> tuple[str, str] | None:
+        if req._structured is not None:
+            param, spec = req._structured
+        elif auto_tools and (self.tool_format or generic_tools.FORMAT) == "hermes":
+            # Text, or only calls the parser reads (router/tools.py auto_tools_grammar).
+            parallel = getattr(req, "parallel_tool_calls", None) is not False
+            param, spec = "tools", ("grammar", auto_tools_grammar(req._tools, parallel))
+        else:
             return None
-        param, spec = req._structured
         if self.check_structured is not None:
             try:
                 self.check_structured(*spec)

@@ -277,16 +277,20 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
 
 def tool_message(parsed: ParsedRequest, text: str) -> tuple[dict[str, Any], bool]:
     """The chat message for `text` under the request's tools: (message, has tool calls)."""
-    from router.tools import parse_tool_calls
+    from router.tools import HERMES_OPEN, parse_tool_calls
 
     if parsed.tool_choice in (None, "none") or not parsed.tools:
         return {"role": "assistant", "content": text}, False
-    if parsed.tool_choice == "auto":
+    if parsed.tool_choice == "auto" and parsed.tool_grammar and text.startswith(HERMES_OPEN):
+        # Only calls (the grammar's other branch never opens one); a cut one keeps its
+        # arguments so far, as forced calls do.
+        calls, content = forced_tool_calls(parsed, text), None
+    elif parsed.tool_choice == "auto":
         out = parse_tool_calls(text, parsed.tool_format)
-        calls = out.tool_calls if parsed.parallel_tool_calls else out.tool_calls[:1]
-        content = out.content
+        calls, content = out.tool_calls, out.content
     else:
         calls, content = forced_tool_calls(parsed, text), None
+    calls = calls if parsed.parallel_tool_calls else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text}, False
     return {"role": "assistant", "content": content, "tool_calls": calls}, True
@@ -298,7 +302,8 @@ def forced_tool_calls(parsed: ParsedRequest, text: str) -> list[dict[str, Any]]:
     its arguments so far (OpenAI's shape, with finish_reason "length")."""
     from router.tools import ForcedCallParser
 
-    parser = ForcedCallParser(parsed.tool_choice)
+    # "auto" under auto_tools_grammar: Hermes blocks, read like a "required" list.
+    parser = ForcedCallParser(None if parsed.tool_choice == "auto" else parsed.tool_choice)
     parser.feed(text)
     return parser.calls()
 

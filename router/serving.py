@@ -293,6 +293,13 @@ class StreamWriter:
         if parsed.tool_choice == "auto":
             parser = self.tool_parsers.setdefault(index, ToolStreamParser(parsed.tool_format))
             content = parser.feed(text)
+            if parsed.tool_grammar and parser.in_tool_calls:
+                # The grammar made the call valid: stream it like a forced one.
+                calls_parser = self.forced.setdefault(index, ForcedCallParser(None))
+                deltas = calls_parser.feed(parser.held[len(calls_parser.text) :])
+                if finish is not None:
+                    self.forced.pop(index)
+                return content, deltas or None
             if finish is None:
                 return content, None
             rest = parser.finish()

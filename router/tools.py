@@ -132,16 +132,22 @@ def _parameters(tool: dict) -> dict:
 
 
 def _required_schema(tools: list) -> dict:
-    """A JSON array (at least one item) of {"name": <a tool>, "parameters": <its schema>}.
-    Each tool's `$defs` / `definitions` move to the root, where their `#/$defs/...`
-    references resolve once the schema is nested inside the array."""
+    """A JSON array (at least one item) of {"name": <a tool>, "parameters": <its schema>}."""
+    schema: dict[str, Any] = {"type": "array", "minItems": 1}
+    return _call_schema(tools, "parameters", schema, "items")
+
+
+def _call_schema(tools: list, args_key: str, schema: dict, where: str | None) -> dict:
+    """`schema` with the calls {"name": <a tool>, args_key: <its schema>} as an `anyOf` at
+    `where` (None: the root). Each tool's `$defs` / `definitions` move to the root, where
+    their `#/$defs/...` references resolve once the schema is nested."""
     hoisted: dict[str, dict] = {"$defs": {}, "definitions": {}}
     variants = []
     for i, tool in enumerate(tools):
         params = _parameters(tool)
         for key, defs in hoisted.items():
-            for def_name, schema in (params.pop(key, None) or {}).items():
-                if defs.setdefault(def_name, schema) != schema:
+            for def_name, sub in (params.pop(key, None) or {}).items():
+                if defs.setdefault(def_name, sub) != sub:
                     raise ValueError(
                         f"tools[{i}].function.parameters.{key}.{def_name} differs from another "
                         "tool's definition of the same name"
@@ -151,15 +157,37 @@ def _required_schema(tools: list) -> dict:
                 "type": "object",
                 "properties": {
                     "name": {"type": "string", "const": tool["function"]["name"]},
-                    "parameters": params,
+                    args_key: params,
                 },
-                "required": ["name", "parameters"],
+                "required": ["name", args_key],
                 "additionalProperties": False,
             }
         )
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": variants}}
+    if where is None:
+        schema["anyOf"] = variants
+    else:
+        schema[where] = {"anyOf": variants}
     schema.update({key: defs for key, defs in hoisted.items() if defs})
     return schema
+
+
+def auto_tools_grammar(tools: list, parallel: bool = True) -> str:
+    """The Lark grammar (llguidance) of a `tool_choice: "auto"` answer in the Hermes format:
+    either text that never opens a call, or only calls — `<tool_call>` blocks whose JSON is
+    {"name": <a tool>, "arguments": <valid for its schema>}, one block when `parallel` is
+    False. So a call the model starts is one the parser reads, and a call cut by max_tokens
+    is a prefix of a valid one."""
+    schema = json.dumps(_call_schema(tools, "arguments", {}, None))
+    calls = 'call ("\\n" call)*' if parallel else "call"
+    return "\n".join(
+        [
+            "start: TEXT | calls",
+            f"calls: {calls}",
+            f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"',
+            f"body: %json {schema}",
+            f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(HERMES_OPEN)}.*)/",
+        ]
+    )
 
 
 # ------------------------------------------------------------------ formats
@@ -313,6 +341,11 @@ class ToolStreamParser:
         """A tool-call marker was seen: the rest of the output is being held."""
         return self._in_calls
 
+    @property
+    def held(self) -> str:
+        """The text held since the first call marker ("" before one)."""
+        return self._buf if self._in_calls else ""
+
     def feed(self, delta: str) -> str:
         if self.fmt is None:
             return delta
@@ -373,8 +406,11 @@ class ToolStreamParser:
 
 # ------------------------------------------------------------------ forced calls, streamed
 
-# One item of a "required" call list, up to its arguments: the schema lists "name" first.
-_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"parameters"\s*:\s*')
+# One call, up to its arguments: a "required" item (the schema lists "name" first) or a
+# Hermes block's JSON ({"name", "arguments"}, as auto_tools_grammar writes it).
+_CALL_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*'
+)
 
 
 def _object_end(text: str, start: int) -> int | None:
@@ -400,9 +436,10 @@ def _object_end(text: str, start: int) -> int | None:
 class ForcedCallParser:
     """A forced call's text, as it is generated, as OpenAI tool-call deltas: for each call its
     id, type and name first (arguments ""), then argument fragments as they arrive. The text
-    is the arguments object (a named function) or a JSON array of {"name", "parameters"}
-    ("required"). `calls()` gives the calls so far: a call the length limit cut keeps the
-    arguments written until then, as OpenAI returns them."""
+    is the arguments object (a named function), a JSON array of {"name", "parameters"}
+    ("required"), or Hermes blocks under auto_tools_grammar (`tool_choice` None). `calls()`
+    gives the calls so far: a call the length limit cut keeps the arguments written until
+    then, as OpenAI returns them."""
 
     def __init__(self, tool_choice: Any) -> None:
         self.named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None

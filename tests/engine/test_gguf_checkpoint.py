@@ -4,7 +4,7 @@ architecture (tests/engine/gguf_writer.py, llama.cpp's layout): against the chec
 from for F32 files, against transformers reading the same file for Q8_0. A damaged or
 unsupported file fails at load with an error naming the field or tensor. SmolLM2-135M-Instruct's
 registry file (Q4_1/Q8_0 tensors) is checked served, through both pools, in
-tests/e2e/test_real_model_live.py."""
+tests/interop/test_real_model.py."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ LIVE_LIMITS = Limits(
 BODIES = {
     "/v1/completions": "CompletionRequest",
     "/v1/chat/completions": "ChatCompletionRequest",
+    "/v1/responses": "ResponsesRequest",
     "/tokenize": "TokenizeRequest",
     "/detokenize": "DetokenizeRequest",
 }
@@ -117,6 +118,8 @@ _NESTED = (
     ("tools", 0, "function", "parameters"), ("tools", 0, "function", "name"),
     ("response_format", "json_schema", "schema"), ("stream_options", "include_usage"),
     ("logit_bias", "5"), ("prompt", 0), ("structured_outputs", "json"),
+    ("input", 0, "content"), ("input", 0, "type"), ("input", 0, "call_id"),
+    ("text", "format", "schema"), ("text", "format", "type"),
 )  # fmt: skip
 _SKELETON = {
     "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -126,6 +129,8 @@ _SKELETON = {
     "logit_bias": {},
     "prompt": ["a"],
     "structured_outputs": {},
+    "input": [{"type": "message", "role": "user", "content": "hi"}],
+    "text": {"format": {"type": "json_schema", "name": "n", "schema": {}}},
 }
 
 

@@ -9,7 +9,8 @@ wrong with an answer, judged by the OpenAPI document (router/openapi.py):
 - an error (4xx) whose body is not the document's `ErrorBody` (OpenAI's error object);
 - a 429 / 503 without a Retry-After header;
 - a 200 JSON body that does not match the route's documented 200 schema, or a stream that does
-  not end in `data: [DONE]` or carries an error event.
+  not end in `data: [DONE]` (a Responses API stream: in response.completed or .incomplete) or
+  carries an error event.
 
 It also counts answers by status (`counts`) for the benchmark's report.
 """
@@ -96,6 +97,9 @@ class Checker:
             return out
         kind = ans.headers.get("Content-Type", "")
         if ans.status == 200 and kind.startswith("text/event-stream"):
+            path = urllib.parse.urlsplit(req.path).path
+            if path.rstrip("/") == "/v1/responses":
+                return out + _responses_stream_problems(ans.body)
             return out + _stream_problems(ans.body)
         check = self._documented(req, ans.status)
         if check is None:
@@ -130,6 +134,19 @@ class Checker:
             else:
                 self._validators[key] = self.error_body if status >= 400 else None
         return self._validators[key]
+
+
+# The events that end a Responses API stream (it has no `[DONE]`; router/responses_output.py).
+_RESPONSES_ENDS = (b"event: response.completed\n", b"event: response.incomplete\n")
+
+
+def _responses_stream_problems(body: bytes) -> list[str]:
+    events = [e for e in body.split(b"\n\n") if e.strip()]
+    if not events or not events[-1].startswith(_RESPONSES_ENDS):
+        return [f"responses stream does not end in a final event: {body[-200:]!r}"]
+    if any(e.startswith((b"event: error\n", b"event: response.failed\n")) for e in events):
+        return [f"responses stream carries an error event: {body[-400:]!r}"]
+    return []
 
 
 def _stream_problems(body: bytes) -> list[str]:

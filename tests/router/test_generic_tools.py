@@ -132,3 +132,82 @@ def test_a_forced_call_cut_short_keeps_its_arguments_so_far():
     named = ForcedCallParser({"type": "function", "function": {"name": "get_time"}})
     named.feed('{"zo')
     assert named.calls()[0]["function"] == {"name": "get_time", "arguments": '{"zo'}
+
+
+def _accepts(compiled, tokenizer, text: str) -> bool:
+    matcher = compiled.matcher()
+    eos = compiled.eos_token_ids
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.accept_tokens(ids) and matcher.accept(next(iter(eos)))
+
+
+def test_auto_answers_are_constrained_to_text_or_calls_the_parser_reads(parser):
+    """The "auto" grammar: prose that never opens a call, or only `<tool_call>` blocks naming
+    a tool with arguments valid for its schema; one block when parallel_tool_calls is false."""
+    from engine.structured.compiler import GrammarCompiler
+
+    tok = parser.tokenizer
+    compiler = GrammarCompiler(tok, len(tok), (tok.eos_token_id,))
+    zone = {**TIME["function"]["parameters"], "required": ["zone"]}
+    tool = {"type": "function", "function": {**TIME["function"], "parameters": zone}}
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    good, two = (
+        call.format("get_time", '{"zone": "UTC"}'),
+        "\n".join([call.format("get_time", '{"zone": "UTC"}')] * 2),
+    )
+    for parallel, two_ok in ((None, True), (False, False)):
+        body = {"messages": LOOP[:1], "tools": [tool], "parallel_tool_calls": parallel}
+        kind, spec = parser.parse_chat(body).sampling.structured
+        assert kind == "grammar"
+        grammar = compiler.compile(kind, spec)
+        assert _accepts(grammar, tok, "It is noon.") and _accepts(grammar, tok, good)
+        assert _accepts(grammar, tok, two) is two_ok
+        for bad in (call.format("get_date", '{"zone": "UTC"}'), call.format("get_time", "{}"),
+                    "Sure. " + good):  # fmt: skip
+            assert not _accepts(grammar, tok, bad), bad
+    # A constraint the client asked for wins; "none" and forced calls keep theirs.
+    body = {"messages": LOOP[:1], "tools": [tool], "response_format": {"type": "json_object"}}
+    assert parser.parse_chat(body).sampling.structured[0] == "json_object"
+    body = {"messages": LOOP[:1], "tools": [tool], "tool_choice": "none"}
+    assert parser.parse_chat(body).sampling.structured is None
+
+
+def _stream(parsed, pieces: list[str], finish: str) -> list[dict]:
+    """The tool-call deltas StreamWriter sends for `pieces` of one answer."""
+    from types import SimpleNamespace
+
+    from router.generation import Piece
+    from router.serving import StreamWriter
+
+    run = SimpleNamespace(parsed=parsed, rid="chatcmpl-1", tokenizer=None, text_of=None)
+    writer, out = StreamWriter(run, 1_700_000_000), []
+    for i, text in enumerate(pieces):
+        last = finish if i == len(pieces) - 1 else None
+        for chunk in writer.chunks(0, Piece(text, 1, last, 0, [5])):
+            out.append(chunk["choices"][0])
+    return out
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_auto_calls_stream_their_arguments_and_a_cut_one_is_returned(parser, cut):
+    """Under the auto grammar a call streams like a forced one (id and name first, then the
+    arguments in fragments); cut by max_tokens it is still a call, with its arguments so far,
+    streamed and whole alike (finish_reason "length")."""
+    parsed = parser.parse_chat({"messages": LOOP[:1], "tools": [TIME]})
+    assert parsed.tool_grammar
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}\n</tool_call>'
+    if cut:
+        text = text[: text.index("Paris")]
+    pieces = [text[i : i + 7] for i in range(0, len(text), 7)]
+    choices = _stream(parsed, pieces, "length" if cut else "stop")
+    deltas = [d for c in choices for d in c["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"] == {"name": "get_time", "arguments": ""} and deltas[0]["id"]
+    fragments = [d["function"]["arguments"] for d in deltas[1:]]
+    assert len(fragments) > 2  # arguments arrive as they are generated, not in one piece
+    args = "".join(fragments)
+    assert args == ('{"zone": "Europe/' if cut else '{"zone": "Europe/Paris"}')
+    assert not any(c["delta"].get("content") for c in choices)
+    assert choices[-1]["finish_reason"] == ("length" if cut else "tool_calls")
+    message, called = tool_message(parsed, text)
+    assert called and message["content"] is None
+    assert message["tool_calls"][0]["function"]["arguments"] == args
