@@ -265,10 +265,11 @@ class RequestParser:
     def _structured(self, req: Any, auto_tools: bool) -> tuple[str, str] | None:
         if req._structured is not None:
             param, spec = req._structured
-        elif auto_tools and (self.tool_format or generic_tools.FORMAT) == "hermes":
+        elif auto_tools:
             # Text, or only calls the parser reads (router/tools.py auto_tools_grammar).
             parallel = getattr(req, "parallel_tool_calls", None) is not False
-            param, spec = "tools", ("grammar", auto_tools_grammar(req._tools, parallel))
+            fmt = self.tool_format or generic_tools.FORMAT
+            param, spec = "tools", ("grammar", auto_tools_grammar(req._tools, fmt, parallel))
         else:
             return None
         if self.check_structured is not None:

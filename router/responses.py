@@ -277,11 +277,15 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
 
 def tool_message(parsed: ParsedRequest, text: str) -> tuple[dict[str, Any], bool]:
     """The chat message for `text` under the request's tools: (message, has tool calls)."""
-    from router.tools import HERMES_OPEN, parse_tool_calls
+    from router.tools import opens_call, parse_tool_calls
 
     if parsed.tool_choice in (None, "none") or not parsed.tools:
         return {"role": "assistant", "content": text}, False
-    if parsed.tool_choice == "auto" and parsed.tool_grammar and text.startswith(HERMES_OPEN):
+    if (
+        parsed.tool_choice == "auto"
+        and parsed.tool_grammar
+        and opens_call(text, parsed.tool_format)
+    ):
         # Only calls (the grammar's other branch never opens one); a cut one keeps its
         # arguments so far, as forced calls do.
         calls, content = forced_tool_calls(parsed, text), None

@@ -171,23 +171,41 @@ def _call_schema(tools: list, args_key: str, schema: dict, where: str | None) ->
     return schema
 
 
-def auto_tools_grammar(tools: list, parallel: bool = True) -> str:
-    """The Lark grammar (llguidance) of a `tool_choice: "auto"` answer in the Hermes format:
-    either text that never opens a call, or only calls — `<tool_call>` blocks whose JSON is
-    {"name": <a tool>, "arguments": <valid for its schema>}, one block when `parallel` is
-    False. So a call the model starts is one the parser reads, and a call cut by max_tokens
-    is a prefix of a valid one."""
-    schema = json.dumps(_call_schema(tools, "arguments", {}, None))
-    calls = 'call ("\\n" call)*' if parallel else "call"
-    return "\n".join(
-        [
-            "start: TEXT | calls",
-            f"calls: {calls}",
-            f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"',
-            f"body: %json {schema}",
-            f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(HERMES_OPEN)}.*)/",
-        ]
-    )
+def auto_tools_grammar(tools: list, fmt: str, parallel: bool = True) -> str:
+    """The Lark grammar (llguidance) of a `tool_choice: "auto"` answer in format `fmt`: either
+    text that never opens a call, or only calls, each naming a tool with arguments valid for
+    its schema; one call when `parallel` is False. So a call the model starts is one the
+    parser reads, and a call cut by max_tokens is a prefix of a valid one.
+
+    hermes: `<tool_call>` blocks of {"name", "arguments"}, one per line; the text never
+    contains `<tool_call>`. llama3_json: {"name", "parameters"} objects joined by "; " (what
+    `_parse_llama3` reads); the text does not begin with "{" (there, a call would)."""
+    if fmt not in TOOL_FORMATS:
+        raise ValueError(f"no auto tool grammar for format {fmt!r}")
+    from engine.structured.specs import JSON_OPTIONS
+
+    hermes = fmt == "hermes"
+    # The fixed JSON layout of response_format schemas: no free whitespace to wander into.
+    layout = {"x-guidance": dict(JSON_OPTIONS)}
+    schema = json.dumps(_call_schema(tools, "arguments" if hermes else "parameters", layout, None))
+    sep = "\\n" if hermes else "; "
+    rules = ["start: TEXT | calls", f'calls: call ("{sep}" call)*' if parallel else "calls: call"]
+    if hermes:
+        rules.append(f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"')
+        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(HERMES_OPEN)}.*)/")
+    else:
+        rules.append("call: body")
+        rules.append("TEXT: /(?s:.*)/ & ~/(?s:[ \\t\\r\\n]*\\{.*)/")
+    rules.append(f"body: %json {schema}")
+    return "\n".join(rules)
+
+
+def opens_call(text: str, fmt: str | None) -> bool:
+    """Whether an answer made under auto_tools_grammar is calls (the grammar's other branch
+    never begins like one)."""
+    if fmt == "hermes":
+        return text.startswith(HERMES_OPEN)
+    return fmt == "llama3_json" and text.lstrip().startswith("{")
 
 
 # ------------------------------------------------------------------ formats

@@ -211,3 +211,33 @@ def test_auto_calls_stream_their_arguments_and_a_cut_one_is_returned(parser, cut
     message, called = tool_message(parsed, text)
     assert called and message["content"] is None
     assert message["tool_calls"][0]["function"]["arguments"] == args
+
+
+def test_llama3_json_auto_answers_are_constrained_and_streamed():
+    """The same for a template in Llama 3.x's JSON format: {"name", "parameters"} objects
+    joined by "; ", or text that does not begin with "{"; a call streams its arguments."""
+    from engine.structured.compiler import GrammarCompiler
+    from tools.make_model import build_tokenizer
+
+    tok = build_tokenizer(1024, 1024)
+    tok.chat_template = PLAIN
+    llama = RequestParser(tok, "m", 1024, len(tok), tool_format="llama3_json")
+    compiler = GrammarCompiler(tok, len(tok), (tok.eos_token_id,))
+    call = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    for parallel, two_ok in ((None, True), (False, False)):
+        body = {"messages": LOOP[:1], "tools": [TIME], "parallel_tool_calls": parallel}
+        parsed = llama.parse_chat(body)
+        assert parsed.tool_grammar and parsed.tool_format == "llama3_json"
+        grammar = compiler.compile(*parsed.sampling.structured)
+        assert _accepts(grammar, tok, "It is noon.") and _accepts(grammar, tok, call)
+        assert _accepts(grammar, tok, f"{call}; {call}") is two_ok
+        for bad in ('{"zone": "UTC"}', '{"name": "get_date", "parameters": {}}', ' {"a": 1}'):
+            assert not _accepts(grammar, tok, bad), bad
+    parsed = llama.parse_chat({"messages": LOOP[:1], "tools": [TIME]})
+    choices = _stream(parsed, [call[i : i + 5] for i in range(0, len(call), 5)], "stop")
+    deltas = [d for c in choices for d in c["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"]["name"] == "get_time"
+    assert "".join(d["function"]["arguments"] for d in deltas[1:]) == '{"zone": "UTC"}'
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    message, called = tool_message(parsed, call)
+    assert called and message["tool_calls"][0]["function"]["arguments"] == '{"zone": "UTC"}'
