@@ -123,7 +123,9 @@ class InstantKV:
     def on_prefilled(self, handoff: Any) -> bool:
         return False
 
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+    def on_remote_admitted(
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int
+    ) -> None:
         self.admitted.append(request_id)
 
 

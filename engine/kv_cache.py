@@ -260,9 +260,13 @@ class BlockManager:
             del self._free[bid]
         block.ref_count += 1
 
-    def allocate(self, token_ids: list[int], use_cache: bool = True) -> tuple[list[int], int]:
+    def allocate(
+        self, token_ids: list[int], use_cache: bool = True, count: bool = True
+    ) -> tuple[list[int], int]:
         """Blocks for `token_ids`: cached prefix blocks first, fresh ones after. `use_cache`
         False takes no cached block (a request that needs every prompt position computed).
+        `count` False leaves the hit counters alone (they measure compute saved; a decode
+        worker reusing blocks for a peer's prompt saves a transfer, not compute).
 
         Returns (block_table, num_cached_tokens). Raises MemoryError if they do not fit.
         """
@@ -275,8 +279,9 @@ class BlockManager:
             self._take_free() for _ in range(self.blocks_needed(len(token_ids)) - len(hits))
         ]
         cached = len(hits) * self.block_size
-        self.num_prefix_hit_tokens += cached
-        self.num_prefix_query_tokens += len(token_ids)
+        if count:
+            self.num_prefix_hit_tokens += cached
+            self.num_prefix_query_tokens += len(token_ids)
         return table, cached
 
     def allocate_blocks(self, n: int) -> list[int]:

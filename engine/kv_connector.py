@@ -16,7 +16,9 @@ implements only its own half (`PrefillKV` or `DecodeKV`; `KVConnector` is either
 - decode role: a request whose prompt KV comes from a peer (`LLMEngine.add_remote_request`)
   waits in the scheduler's queue like any other; when the scheduler admits it, blocks are
   allocated, the request enters REMOTE_KV, and the engine calls
-  `on_remote_admitted(request_id, block_ids)`. The connector fills those blocks and then calls
+  `on_remote_admitted(request_id, block_ids, num_reused_blocks)`: the first
+  `num_reused_blocks` of `block_ids` are this worker's own prefix-cache blocks for the same
+  leading tokens (taken by reference, already filled). The connector fills the rest and calls
   `LLMEngine.commit_remote` (the KV landed), `LLMEngine.recompute_remote` (it did not: prefill
   the prompt here) or `LLMEngine.abort`.
 
@@ -57,8 +59,11 @@ class PrefillKV(Protocol):
 class DecodeKV(Protocol):
     """The decode role's connector, as the engine's step calls it."""
 
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
-        """The scheduler admitted the request; start filling `block_ids`."""
+    def on_remote_admitted(
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int
+    ) -> None:
+        """The scheduler admitted the request; start filling `block_ids[num_reused_blocks:]`
+        (the leading ones hold this worker's cached KV of the same tokens)."""
         ...
 
 

@@ -372,7 +372,8 @@ class LLMEngine:
     def _start_fetches(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             try:
-                self.kv_connector.on_remote_admitted(seq.request_id, list(seq.block_table))
+                reused = seq.num_reused_tokens // self.block_manager.block_size
+                self.kv_connector.on_remote_admitted(seq.request_id, list(seq.block_table), reused)
             except Exception:
                 # The connector could not even start: the request must not keep its blocks.
                 log.exception("%s: starting the KV fetch failed", seq.request_id)

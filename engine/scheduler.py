@@ -70,6 +70,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_committed_blocks: int = 0  # blocks registered with the prefix cache
     num_cached_tokens: int = 0  # prefix-cache hit tokens at (last) admission
+    # KV from a peer: leading prompt tokens this worker's prefix cache held at admission (not
+    # read; not "cached" either: the peer computed or cached them for this request).
+    num_reused_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -258,13 +261,13 @@ class Scheduler:
         while self.waiting and self.num_active < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.kv_from_peer:
-                if not self.bm.can_allocate(seq.num_prompt_tokens):
+                prompt = seq.token_ids[: seq.num_prompt_tokens]
+                if not self.bm.can_allocate(seq.num_prompt_tokens, prompt):
                     return
                 self.waiting.popleft()
-                # Fresh blocks, no prefix reuse: the peer's blocks are copied whole.
-                seq.block_table = self.bm.allocate_blocks(
-                    self.bm.blocks_needed(seq.num_prompt_tokens)
-                )
+                # Leading blocks this worker already caches are taken by reference; the
+                # connector reads only the rest from the peer (decode-side KV reuse).
+                seq.block_table, seq.num_reused_tokens = self.bm.allocate(prompt, count=False)
                 seq.status = SeqStatus.REMOTE_KV
                 self.fetching[seq.request_id] = seq
                 plan.fetch.append(seq)

@@ -12,8 +12,10 @@ what a failure means, and its agent moves the bytes. One record per request
       router this worker owns the request now): queued with local requests, FIFO, until the
       scheduler has a sequence slot and the prompt's blocks (natural backpressure: nothing is
       admitted that cannot be held)
-    -> `on_remote_admitted(rid, blocks)` -> READING: handshake with the sender once per pair, a
-       NIXL READ into the blocks just allocated (engine state REMOTE_KV)
+    -> `on_remote_admitted(rid, blocks, reused)` -> READING: handshake with the sender once per
+       pair, a NIXL READ into the blocks just allocated (engine state REMOTE_KV); the first
+       `reused` blocks are this worker's prefix-cache blocks of the same leading tokens, so
+       only the rest is read (the partial last block always is)
     -> `ReadDone` -> `commit_remote`: the sequence joins the running batch at the next step
        with the prefill worker's first token in place, streams tokens from index 1, and the
        record ends (from here it is an ordinary sequence of the engine).
@@ -35,8 +37,8 @@ Aborts (the router aborts both workers at once, so an abort can come at any poin
 
 The split (vLLM v1's): this object is the scheduler-side half (records, which blocks to read,
 the failure policy, when blocks go back); the agent behind `KVReader` is the worker-side half
-(handshakes, READs, renewals, on its own thread). KV reuse belongs in `_read_plan`: read only
-the blocks the local prefix cache lacks. Tensor parallelism puts one reader per rank behind
+(handshakes, READs, renewals, on its own thread). `_read_plan` reads only the blocks the local
+prefix cache lacks. Tensor parallelism puts one reader per rank behind
 `KVReader`, a request done when every rank's reads are.
 """
 
@@ -100,7 +102,8 @@ class RemoteTransfer:
     request_id: str
     stage: DecodeStage
     ready: KVReady | None = None  # None only for ABORTED_EARLY
-    block_ids: list[int] = field(default_factory=list)  # READING: the local blocks filled
+    block_ids: list[int] = field(default_factory=list)  # READING: the request's local blocks
+    num_reused_blocks: int = 0  # leading blocks of block_ids this worker already held
 
 
 class DecodeConnector:
@@ -119,6 +122,8 @@ class DecodeConnector:
         self.num_remote = 0
         self.num_local = 0
         self.num_recomputed = 0
+        self.num_reused_blocks = 0  # blocks not read: this worker's prefix cache held them
+        self.num_read_blocks = 0  # blocks READ from prefill peers
         self._host: ConnectorHost | None = None
 
     def attach(self, host: ConnectorHost) -> None:
@@ -181,7 +186,9 @@ class DecodeConnector:
         )
 
     # -- the engine's calls ------------------------------------------------------------------
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+    def on_remote_admitted(
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int = 0
+    ) -> None:
         rec = self.requests[request_id]
         msg = rec.ready
         if time.time() >= msg.lease_deadline:
@@ -198,7 +205,7 @@ class DecodeConnector:
         except TransferError as e:
             self._fallback(request_id, str(e))
             return
-        rec.block_ids = list(block_ids)
+        rec.block_ids, rec.num_reused_blocks = list(block_ids), num_reused_blocks
         remote, local = self._read_plan(rec)
         try:
             self.agent.start_read(
@@ -216,9 +223,11 @@ class DecodeConnector:
         self._move(rec, DecodeStage.READING)
 
     def _read_plan(self, rec: RemoteTransfer) -> tuple[list[int], list[int]]:
-        """(the sender's block ids, this worker's block ids) to READ: every block today. With
-        KV reuse the leading blocks the local prefix cache already holds drop out of both."""
-        return list(rec.ready.block_ids), rec.block_ids
+        """(the sender's block ids, this worker's block ids) to READ: block i of the prompt on
+        both sides, past the leading blocks the local prefix cache already holds. The scheduler
+        never reuses the block of the prompt's last token, so at least one block is read."""
+        k = rec.num_reused_blocks
+        return list(rec.ready.block_ids[k:]), rec.block_ids[k:]
 
     # -- the loop's calls --------------------------------------------------------------------
     def before_step(self) -> None:
@@ -237,6 +246,8 @@ class DecodeConnector:
             self._host.engine.abort(rid)  # cancelled: the READ is over, the blocks go back
             return
         self.num_remote += 1
+        self.num_reused_blocks += rec.num_reused_blocks
+        self.num_read_blocks += len(rec.block_ids) - rec.num_reused_blocks
         self._host.publish(self._host.engine.commit_remote(rid))
 
     def _read_failed(self, rid: str, reason: str) -> None:
@@ -322,6 +333,8 @@ class DecodeConnector:
             "remote_prefills": self.num_remote,
             "local_prefills": self.num_local,
             "recomputed": self.num_recomputed,
+            "reused_blocks": self.num_reused_blocks,
+            "read_blocks": self.num_read_blocks,
             "transfer_bytes": st.bytes_read,
             "transfer_seconds": st.seconds,
             "transfer_failures": st.failures,

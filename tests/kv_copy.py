@@ -18,6 +18,7 @@ class CopyConnector:
         self.handoffs: dict[str, Handoff] = {}
         self.admitted: list[tuple[str, list[int]]] = []
         self.refuse = False
+        self.reused: dict[str, int] = {}  # request -> leading blocks the decode engine held
         prefill.set_kv_connector(self)
         decode.set_kv_connector(self)
 
@@ -27,8 +28,11 @@ class CopyConnector:
         self.handoffs[handoff.request_id] = handoff
         return True
 
-    def on_remote_admitted(self, request_id: str, block_ids: list[int]) -> None:
+    def on_remote_admitted(
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int = 0
+    ) -> None:
         self.admitted.append((request_id, block_ids))
+        self.reused[request_id] = num_reused_blocks
         if self.auto_land:
             self.land(request_id)
 
@@ -37,7 +41,8 @@ class CopyConnector:
         blocks = dict(self.admitted)[request_id]
         assert len(blocks) == len(h.block_ids)
         src_cache, dst_cache = self.prefill.cache, self.decode.cache
-        for src, dst in zip(h.block_ids, blocks, strict=True):
+        k = self.reused[request_id]  # the decode engine's own cached blocks stay as they are
+        for src, dst in zip(h.block_ids[k:], blocks[k:], strict=True):
             dst_cache.data[dst].copy_(src_cache.data[src])
             if src_cache.scales is not None:  # FP8 KV: the per-token scales travel too
                 dst_cache.scales[dst].copy_(src_cache.scales[src])

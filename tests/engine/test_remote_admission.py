@@ -216,7 +216,7 @@ def test_a_connector_implements_only_its_roles_call(model):
             return False
 
     class DecodeOnly:
-        def on_remote_admitted(self, request_id, block_ids) -> None:
+        def on_remote_admitted(self, request_id, block_ids, num_reused_blocks) -> None:
             pass
 
     pe, de = _engines(model)
@@ -227,3 +227,33 @@ def test_a_connector_implements_only_its_roles_call(model):
     with pytest.raises(TypeError, match="on_prefilled"):
         pe.set_kv_connector(DecodeOnly())
     pe.set_kv_connector(None)  # a worker may also drop its connector
+
+
+@pytest.mark.parametrize("extra", [0, 7, 16])
+def test_remote_prompt_reuses_the_decode_engines_cached_prefix(model, extra):
+    """A decode engine that already holds a prompt's leading blocks (an earlier turn) takes
+    them by reference and is handed only the rest to fill: the partial last block always
+    (`extra` 7), and the last full block of a prompt that ends on a block boundary (`extra` 0:
+    the first token then needs a block of its own on this side only). The output equals the
+    colocated engine's; cached_tokens stays the prefill side's count (0 here), and the hit
+    counters that measure compute saved do not move."""
+    pe, de = _engines(model)
+    conn = CopyConnector(pe, de)
+    bm, bs = de.block_manager, de.block_manager.block_size
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    shared = _prompts(1, seed=3, low=3 * bs, high=3 * bs + 1)[0]
+    de.add_request("earlier", shared + [7, 8, 9], sp)  # a local prefill caches `shared`
+    _drain(de, {})
+    counters = (bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens)
+    prompt = shared + [random.Random(extra).randrange(5, 400) for _ in range(extra)]
+    first = _prefill(pe, [prompt], sp)
+    de.add_remote_request("r0", prompt, first["r0"], sp)
+    tokens, cached = [first["r0"]], set()
+    while de.has_unfinished():
+        for out in de.step():
+            tokens += out.token_ids
+            cached.add(out.num_cached_tokens)
+    assert conn.reused["r0"] == min(len(shared), len(prompt) - 1) // bs
+    assert tokens == _reference(model, [prompt], sp)[0]
+    assert cached == {0} and (bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens) == counters
+    assert bm.num_free_blocks == bm.num_blocks

@@ -177,3 +177,28 @@ def test_abort_before_handoff_releases_prefill_blocks_now(model):
         assert pair.p.connector.released_reasons.get("aborted", 0) == 1
     finally:
         pair.close()
+
+
+def test_decode_reads_only_the_blocks_its_prefix_cache_lacks(model):
+    """Multi-turn reuse on the decode side: the worker answered a prompt's first 64 tokens
+    before (a local prefill), so of the next turn's 5 blocks it READs 1 over NIXL (the
+    partial last block) and takes 4 from its own cache; the answer equals the colocated
+    engine's, and the bytes read are that one block's."""
+    from engine.kv_cache import KVCache
+
+    pair = Pair(model)
+    try:
+        shared = _prompts()[3][:64]
+        prompt = shared + _prompts()[1][:9]
+        pair.generate_on_decode("earlier", shared + [5, 6], SP)
+        pair.collect(["earlier"])
+        pair.prefill("next", prompt, SP)
+        got = pair.collect(["next"])["next"]
+        assert got == LLM(model, dtype="float32").generate([prompt], SP)[0].token_ids
+        pair.wait_free()
+        conn = pair.d.connector
+        assert (conn.num_remote, conn.num_reused_blocks, conn.num_read_blocks) == (1, 4, 1)
+        assert conn.agent.stats().bytes_read == KVCache.bytes_per_block(pair.d.engine.cache.spec)
+        assert pair.p.connector.released_reasons == {"read_done": 1}
+    finally:
+        pair.close()
