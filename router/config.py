@@ -66,6 +66,11 @@ class RouterConfig:
         2048, "queued prefill tokens the affine worker may exceed the least loaded one by"
     )
     decode_batch_norm: int = setting(32, "running requests that weigh as much as a full KV cache")
+    decode_affinity_slack: float = setting(
+        0.25,
+        "decode cost (KV usage + running/decode_batch_norm) the decode worker a prompt's prefix "
+        "hashes to may exceed the least loaded one's by (its cache holds earlier turns)",
+    )
     default_block_size: int = setting(16, "KV block size assumed for workers that report none")
     completion_default_max_tokens: int = setting(
         16, "max_tokens of a /v1/completions request that gives none"
@@ -153,6 +158,9 @@ class RouterConfig:
             raise ValueError(f"signal_interval_s must be >= 0 (0: off), got {interval!r}")
         if not math.isfinite(interval):
             raise ValueError(f"signal_interval_s must be finite, got {interval!r}")
+        slack = self.decode_affinity_slack
+        if isinstance(slack, bool) or not isinstance(slack, int | float) or not 0 <= slack < 1e9:
+            raise ValueError(f"decode_affinity_slack must be a finite number >= 0, got {slack!r}")
         non_negative = (
             "disagg_threshold",
             "affinity_slack_tokens",

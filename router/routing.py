@@ -6,7 +6,10 @@ reports), so they can be unit tested without sockets.
 
 - Decode choice: prefer workers that have free KV blocks for the prompt, then the lowest cost
   `kv_usage + (running + 2 * waiting) / batch_norm` (waiting requests weigh double: they are
-  queued because the worker is out of blocks or batch slots).
+  queued because the worker is out of blocks or batch slots), with prefix affinity as for
+  prefill: the worker the prompt's first tokens hash to wins while it has room and its cost is
+  within `slack` of the lowest, so a conversation's next turn finds the blocks the last one
+  left in that worker's prefix cache (it reads only the rest from the prefill worker).
 - Prefill choice: least queued prefill tokens, with prefix affinity: the first
   `prefix_tokens` prompt tokens pick a preferred worker by rendezvous hashing (stable while
   the pool changes), and that worker wins while its queue is within `slack_tokens` of the
@@ -139,11 +142,25 @@ def decode_cost(state: WorkerState, prompt_len: int, batch_norm: int) -> tuple[b
 
 
 def choose_decode(
-    candidates: list[WorkerState], prompt_len: int, batch_norm: int = 32
+    candidates: list[WorkerState],
+    prompt_len: int,
+    batch_norm: int = 32,
+    key: bytes | None = None,
+    slack: float = 0.0,
 ) -> WorkerState:
+    """The lowest-cost worker, or the one `key` (a `prefix_key`) hashes to while it has room
+    and costs at most `slack` more."""
     if not candidates:
         raise NoWorkersError("no decode workers are available")
-    return min(candidates, key=lambda s: decode_cost(s, prompt_len, batch_norm))
+    cost = {s.worker_id: decode_cost(s, prompt_len, batch_norm) for s in candidates}
+    least = min(candidates, key=lambda s: cost[s.worker_id])
+    if key is None:
+        return least
+    preferred = max(candidates, key=lambda s: _rendezvous_score(key, s.worker_id))
+    no_room, value, _ = cost[preferred.worker_id]
+    if not no_room and value <= cost[least.worker_id][1] + slack:
+        return preferred
+    return least
 
 
 def prefix_key(prompt_ids: list[int], prefix_tokens: int) -> bytes | None:
@@ -194,9 +211,11 @@ def plan_route(
     prefix_tokens: int = 64,
     slack_tokens: int = 2048,
     batch_norm: int = 32,
+    decode_slack: float = 0.0,
 ) -> RoutePlan:
     """Pick the decode worker, then decide local vs remote prefill and pick the prefill worker."""
-    decode = choose_decode(view.decode_workers, len(prompt_ids), batch_norm)
+    key = prefix_key(prompt_ids, prefix_tokens)
+    decode = choose_decode(view.decode_workers, len(prompt_ids), batch_norm, key, decode_slack)
     prefills = view.prefill_workers
     path = decide_path(len(prompt_ids), disagg_threshold, len(prefills))
     if path == LOCAL:
@@ -300,6 +319,7 @@ class WorkerPool:
             disagg_threshold=cfg.disagg_threshold,
             prefix_tokens=cfg.affinity_prefix_tokens,
             slack_tokens=cfg.affinity_slack_tokens,
+            decode_slack=cfg.decode_affinity_slack,
             batch_norm=cfg.decode_batch_norm,
         )
 

@@ -109,3 +109,26 @@ def test_worker_info_validation_and_static_directory():
         WorkerInfo("x", "decode", "not-an-endpoint", worker("x", "decode").load)
     d = StaticDirectory([worker("a", "decode")])
     assert isinstance(d, WorkerDirectory)
+
+
+def test_decode_prefix_affinity_keeps_a_conversation_on_one_worker_while_load_allows():
+    """A conversation's turns share their first tokens, so they hash to the same decode worker
+    (whose prefix cache holds the earlier turns); load still wins beyond the slack, and a
+    worker without room for the prompt is never preferred."""
+    view = LoadView([worker(f"d{i}", "decode") for i in range(4)])
+    turns = [[i] * 64 + list(range(100, 100 + 10 * t)) for i in range(20) for t in (1, 3)]
+    chosen = {}
+    for prompt in turns:
+        plan = plan_route(view, prompt, disagg_threshold=1000, decode_slack=0.25)
+        chosen.setdefault(prompt[0], set()).add(plan.decode.worker_id)
+    assert all(len(w) == 1 for w in chosen.values())  # every turn of a chat on one worker
+    assert len({next(iter(w)) for w in chosen.values()}) > 1  # different chats spread
+    key = prefix_key(turns[0], 64)
+    target = choose_decode(view.decode_workers, 70, key=key, slack=0.25).worker_id
+    view.states[target].running = 16  # cost +0.5: beyond the slack
+    assert choose_decode(view.decode_workers, 70, key=key, slack=0.25).worker_id != target
+    assert choose_decode(view.decode_workers, 70, key=key, slack=1.0).worker_id == target
+    view.states[target].running, view.states[target].free_blocks = 0, 2
+    assert choose_decode(view.decode_workers, 70, key=key, slack=1.0).worker_id != target
+    # Without affinity (slack 0 and a tie broken by id) load alone decides, as before.
+    assert choose_decode(view.decode_workers, 70).worker_id != target
