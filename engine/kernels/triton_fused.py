@@ -11,7 +11,9 @@ ops so the model uses either through `CausalLM.use_fused_ops`:
 - `add_rms_norm(x, residual, weight, eps) -> (out, new_residual)`
 - `silu_mul(gate_up) -> out`
 - `quantize_fp8_tokens(x) -> (q, scale)`: FP8 e4m3 with one scale per token (amax / 448), the
-  activation side of W8A8 in one pass instead of five (abs, amax, divide, clamp, cast).
+  activation side of W8A8 in one pass instead of five (abs, amax, divide, clamp, cast);
+- `add_rms_norm_fp8` / `silu_mul_fp8`: the norm and SiLU-and-multiply with that quantization
+  fused in, for a W8A8 GEMM that reads only the FP8 row (engine.quantization.fp8.FP8Tokens).
 
 They run on CPU tensors under TRITON_INTERPRET=1, which is how they are tested without a GPU.
 """
@@ -117,6 +119,92 @@ def quantize_fp8_tokens(x):
     return q, scale
 
 
+# W8A8's activation side fused into the op that makes the activation (the norm before qkv and
+# gate_up, SiLU-and-multiply before down): the FP8 row and its scale straight from registers,
+# instead of the bf16 row written, read back and quantized by quantize_fp8_tokens. Each equals
+# quantize_fp8_tokens(op(...)) exactly: the same values are rounded at the same points.
+
+
+@triton.jit
+def _add_rms_norm_fp8_kernel(
+    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, nr_ptr, s_x, s_r, H, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < H
+    dt = nr_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(r_ptr + row * s_r + cols, mask=m, other=0.0).to(tl.float32)
+        x = (x + r).to(dt).to(tl.float32)
+        tl.store(nr_ptr + row * H + cols, x.to(dt), mask=m)
+    var = tl.sum(x * x, 0) / H
+    y = (x * (1.0 / tl.sqrt(var + eps))).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    out = (w * y).to(dt).to(tl.float32)  # the bf16 value add_rms_norm would store
+    scale = tl.maximum(tl.max(tl.where(m, tl.abs(out), 0.0), 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    yq = tl.minimum(tl.maximum(out / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * H + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm_fp8(x, residual, weight, eps):
+    """(q e4m3 [M, H], scale fp32 [M, 1], new_residual): quantize_fp8_tokens of
+    add_rms_norm's output, and its residual, in one kernel."""
+    rows, hidden = x.shape
+    q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    new_res = torch.empty_like(x) if residual is not None else x
+    if rows:
+        block = triton.next_power_of_2(hidden)
+        _add_rms_norm_fp8_kernel[(rows,)](
+            x, residual if residual is not None else x, weight, q, scale, new_res,
+            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
+            HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return q, scale, new_res
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(
+    gu_ptr, q_ptr, s_ptr, s_g, INTER, BLOCK: tl.constexpr, CHUNKS: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0)
+    dt = gu_ptr.dtype.element_ty
+    amax = tl.zeros([BLOCK], tl.float32)
+    for c in range(0, CHUNKS):  # pass 1: the row's amax (as silu_mul would store it)
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        m = cols < INTER
+        g = tl.load(gu_ptr + row * s_g + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * s_g + INTER + cols, mask=m, other=0.0).to(tl.float32)
+        p = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        amax = tl.maximum(amax, tl.where(m, tl.abs(p), 0.0))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    for c in range(0, CHUNKS):  # pass 2: the same products again (gate_up is in L2), scaled
+        cols = c * BLOCK + tl.arange(0, BLOCK)
+        m = cols < INTER
+        g = tl.load(gu_ptr + row * s_g + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * s_g + INTER + cols, mask=m, other=0.0).to(tl.float32)
+        p = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+        yq = tl.minimum(tl.maximum(p / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * INTER + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def silu_mul_fp8(gate_up):
+    """(q e4m3 [M, I], scale fp32 [M, 1]): quantize_fp8_tokens of silu_mul(gate_up)."""
+    rows, two_i = gate_up.shape
+    inter = two_i // 2
+    q = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
+    if rows:
+        _silu_mul_fp8_kernel[(rows,)](
+            gate_up, q, scale, gate_up.stride(0), inter, BLOCK=1024, CHUNKS=triton.cdiv(inter, 1024)
+        )
+    return q, scale
+
+
 class TritonOps:
     """The fused ops as the model takes them (the CPU kernels' `CpuOps` interface)."""
 
@@ -129,3 +217,5 @@ class TritonOps:
     rope_ = None
     silu_mul = staticmethod(silu_mul)
     quantize_fp8_tokens = staticmethod(quantize_fp8_tokens)
+    add_rms_norm_fp8 = staticmethod(add_rms_norm_fp8)
+    silu_mul_fp8 = staticmethod(silu_mul_fp8)

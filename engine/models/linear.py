@@ -146,7 +146,18 @@ class Linear(nn.Linear):
         y = F.linear(x, self.qweight.to(x.dtype)) * self.wscale.to(x.dtype)
         return y if self.bias is None else y + self.bias
 
+    @property
+    def takes_fp8_tokens(self) -> bool:
+        """W8A8 with dynamic per-token activation scales: the input may come quantized
+        (`fp8.FP8Tokens`) from a fused norm or SiLU kernel."""
+        return (
+            self.scheme == "fp8" and bool(self.fp8_activations)
+            and not self.block_k and self.input_scale is None
+        )  # fmt: skip
+
     def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, fp8.FP8Tokens):
+            return fp8.fp8_linear(x, self.qweight, self.wscale, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.fp8_activations:

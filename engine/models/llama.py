@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.linear import Linear, cpu_has_native_bf16_gemm, quantize_linears
 from engine.models.rope import rope_tables, rotate_half
+from engine.quantization.fp8 import FP8Tokens
 
 # Steps of up to this many tokens use the fused elementwise ops (engine.kernels.fused): they
 # save per-op overhead, which matters for decode; the scalar loops lose to torch's vectorised
@@ -41,6 +42,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
+    # (the projection after this norm,) when the fused ops can quantize (GPU): while it is W8A8
+    # with per-token scales, add_forward returns `FP8Tokens` instead of the bf16 row. Checked
+    # per call: quantization and FP8 checkpoints are applied after the ops are chosen. A
+    # tuple, so the Linear is not registered as a submodule here too.
+    fp8_consumer: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Same math as transformers' LlamaRMSNorm: normalize in fp32 (torch's fused kernel:
@@ -55,6 +61,9 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): HF's residual add (in x's dtype) fused with the
         next norm; with residual None, (norm(x), x)."""
         fused = _fused(self.fused, x.shape[0])
+        if fused is not None and self.fp8_consumer and self.fp8_consumer[0].takes_fp8_tokens:
+            q, scale, res = fused.add_rms_norm_fp8(x, residual, self.weight, self.eps)
+            return FP8Tokens(q, scale, x.dtype), res
         if fused is not None:
             out, res = fused.add_rms_norm(x, residual, self.weight, self.eps)
             return out, res
@@ -119,10 +128,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
+    fp8_fused = False  # the fused ops quantize too (GPU): down_proj may take FP8 tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         fused = _fused(self.fused, x.shape[0])
+        if fused is not None and self.fp8_fused and self.down_proj.takes_fp8_tokens:
+            return self.down_proj(FP8Tokens(*fused.silu_mul_fp8(gate_up), gate_up.dtype))
         if fused is not None:
             return self.down_proj(fused.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -217,6 +229,12 @@ class CausalLM(nn.Module):
                 m.fused = ops
             if isinstance(m, Linear):
                 m.token_quantizer = getattr(ops, "quantize_fp8_tokens", None)
+        # W8A8 projections take their activations quantized by the op that makes them.
+        fuse = getattr(ops, "add_rms_norm_fp8", None) is not None
+        for layer in self.model.layers:
+            layer.input_layernorm.fp8_consumer = (layer.self_attn.qkv_proj,) if fuse else ()
+            layer.post_attention_layernorm.fp8_consumer = (layer.mlp.gate_up_proj,) if fuse else ()
+            layer.mlp.fp8_fused = fuse
 
     def use_cpu_bf16_kernels(self, enabled: bool) -> None:
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see

@@ -26,6 +26,21 @@ FP8_MAX = float(torch.finfo(FP8).max)  # 448
 _MIN_SCALE = 1e-12
 
 
+class FP8Tokens:
+    """Activations already quantized for a W8A8 GEMM, one scale per token: what a fused norm
+    or SiLU kernel hands the projection after it (engine.kernels.triton_fused), so the bf16
+    row is never written. `dtype` is the activation dtype the GEMM's output takes."""
+
+    __slots__ = ("q", "scale", "dtype")
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.q, self.scale, self.dtype = q, scale, dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x / scale (broadcast) saturated to +-FP8_MAX and rounded to e4m3."""
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
@@ -68,7 +83,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, block_k: int = 0) -> to
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | FP8Tokens,
     q: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -80,7 +95,18 @@ def fp8_linear(
     times the e4m3 weight q [N, K], scaled back, plus bias; returns x.dtype [M, N].
     `quantize_tokens`: a faster equivalent of `quantize_fp8_tokens` (the GPU's one-pass
     kernel). On CUDA without a bias the GEMM writes x.dtype itself (its epilogue scales in
-    fp32 and rounds once, as the fp32 output's cast would) instead of an fp32 [M, N] copy."""
+    fp32 and rounds once, as the fp32 output's cast would) instead of an fp32 [M, N] copy.
+    `x` may come quantized already (`FP8Tokens`, per-token scales only)."""
+    if isinstance(x, FP8Tokens):
+        xq, xs, dtype, cuda = x.q, x.scale, x.dtype, x.q.is_cuda
+        direct = cuda and bias is None
+        y = torch._scaled_mm(
+            xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1),
+            out_dtype=dtype if direct else torch.float32,
+        )  # fmt: skip
+        if direct:
+            return y
+        return (y if bias is None else y + bias.float()).to(dtype)
     if block_k:
         y = _block_linear(x, q, scale, block_k)
     else:

@@ -68,3 +68,82 @@ def test_fp8_token_quantization_matches_the_torch_path():
         normal = q_ref.float().abs() >= 2**-6  # e4m3's normal range
         ratio = q.float()[normal].abs() / q_ref.float()[normal].abs()
         assert ratio.min() >= 0.49 and ratio.max() <= 1.15  # off by a step, or a power of 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_with_fp8_quantization_equals_the_two_kernels(dtype, with_residual):
+    """add_rms_norm_fp8 is quantize_fp8_tokens(add_rms_norm(...)) in one kernel: the same
+    FP8 bits, scales and residual (the same values rounded at the same points)."""
+    x, r = _randn(4, 96, dtype=dtype) * 3, _randn(4, 96, dtype=dtype, seed=1)
+    x[2] = 0  # with no residual: an all-zero row, the floor scale
+    w = 1 + 0.1 * _randn(96, dtype=dtype, seed=2)
+    res = r if with_residual else None
+    q, scale, new_res = tf.add_rms_norm_fp8(x, res, w, 1e-5)
+    out, want_res = tf.add_rms_norm(x, res, w, 1e-5)
+    q_want, s_want = tf.quantize_fp8_tokens(out)
+    assert torch.equal(scale, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+    assert torch.equal(new_res, want_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_with_fp8_quantization_equals_the_two_kernels(dtype):
+    gu = _randn(3, 2 * 2500, dtype=dtype) * 4  # 2500: two 1024-wide chunks and a tail
+    q, scale = tf.silu_mul_fp8(gu)
+    q_want, s_want = tf.quantize_fp8_tokens(tf.silu_mul(gu))
+    assert torch.equal(scale, s_want) and torch.equal(q.view(torch.uint8), q_want.view(torch.uint8))
+
+
+def test_a_w8a8_linear_takes_tokens_quantized_by_the_op_before_it():
+    """`FP8Tokens` into an FP8 W8A8 Linear gives what the bf16 row would have given."""
+    from engine.models.linear import Linear
+
+    lin = Linear(96, 40, bias=True).to(DEVICE)
+    lin.quantize_fp8(activations=True)
+    assert lin.takes_fp8_tokens
+    x = _randn(5, 96) * 2
+    q, scale = fp8.quantize_fp8_tokens(x)
+    assert torch.equal(lin(fp8.FP8Tokens(q, scale, x.dtype)), lin(x))
+    # Weight-only layers (and block-wise or static-scale ones) quantize their own inputs.
+    wo = Linear(96, 40).to(DEVICE)
+    wo.quantize_fp8(activations=False)
+    assert not wo.takes_fp8_tokens
+
+
+def test_w8a8_model_with_fused_quantization_generates_what_the_unfused_ops_do(make_tiny_model):
+    """A W8A8 model on the Triton ops: the norms and SiLU hand FP8 tokens to every projection
+    after them (counted), and the greedy output equals the same ops without that fusion."""
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.protocol import SamplingParams
+
+    calls = {"norm": 0, "silu": 0}
+
+    class Counting(tf.TritonOps):
+        @staticmethod
+        def add_rms_norm_fp8(*args):
+            calls["norm"] += 1
+            return tf.add_rms_norm_fp8(*args)
+
+        @staticmethod
+        def silu_mul_fp8(gate_up):
+            calls["silu"] += 1
+            return tf.silu_mul_fp8(gate_up)
+
+    class Unfused(tf.TritonOps):
+        add_rms_norm_fp8 = silu_mul_fp8 = None
+
+    model = make_tiny_model("llama")
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    outs = []
+    for ops in (Counting, Unfused):
+        cfg = EngineConfig(model=str(model), dtype="float32", quantization="fp8", num_kv_blocks=16)
+        eng = LLMEngine(cfg)
+        eng.model.use_fused_ops(ops)
+        eng.add_request("r", [5, 9, 33, 2, 71, 14, 8], sp)
+        tokens = []
+        while eng.has_unfinished():
+            tokens += [t for o in eng.step() for t in o.token_ids]
+        outs.append(tokens)
+    layers = len(eng.model.model.layers)
+    assert calls["norm"] == 2 * layers * 6 and calls["silu"] == layers * 6  # every step
+    assert outs[0] == outs[1]
