@@ -10,7 +10,8 @@ Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read a
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
 transfer_bytes, transfer_seconds, transfer_failures, expired_leases, remote_prefills,
-recomputed, handoffs, aborts, prefix_hit_tokens, prefix_query_tokens; see `_TRANSFER_KEYS`) and
+recomputed, handoffs, read_blocks, reused_blocks, aborts, prefix_hit_tokens,
+prefix_query_tokens; see `_TRANSFER_KEYS`) and
 are exported as counters with a worker label; a restarted worker restarts its series, as
 Prometheus expects.
 
@@ -108,6 +109,16 @@ _TRANSFER_KEYS = (
         "Requests a decode worker recomputed because their KV could not be fetched",
     ),
     ("handoffs", "tandem_kv_handoffs", "Requests a prefill worker handed to a decode worker"),
+    (
+        "read_blocks",
+        "tandem_kv_read_blocks",
+        "KV blocks of remote prompts a decode worker read from prefill workers",
+    ),
+    (
+        "reused_blocks",
+        "tandem_kv_reused_blocks",
+        "KV blocks of remote prompts a decode worker took from its own prefix cache, unread",
+    ),
     ("aborts", "tandem_worker_aborts", "Requests a worker dropped on an abort"),
 )
 

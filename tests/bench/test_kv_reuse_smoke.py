@@ -1,4 +1,4 @@
-"""benchmarks/kv_reuse.py on a tiny model (two conversations, three turns): the run with the
+"""benchmarks/kv_reuse.py on a tiny model (two conversations, two turns): the run with the
 decode worker's prefix cache reads fewer bytes than the one that reads every block, and the
 answers are the same in both (the script exits non-zero otherwise)."""
 
@@ -18,8 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_reuse_reads_less_and_answers_the_same(make_tiny_model, tmp_path: Path) -> None:
     out = tmp_path / "kv_reuse.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "kv_reuse.py"), "--json", str(out)]
-    cmd += ["--model", str(make_tiny_model("llama")), "--conversations", "2", "--turns", "3"]
-    cmd += ["--first-tokens", "60", "--user-tokens", "10", "--answer-tokens", "8"]
+    cmd += ["--model", str(make_tiny_model("llama")), "--conversations", "2", "--turns", "2"]
+    cmd += ["--first-tokens", "40", "--user-tokens", "8", "--answer-tokens", "4"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(out.read_text())

@@ -56,6 +56,8 @@ class TransferCheck:
             "tandem_kv_recomputes_total",
             "tandem_kv_transfer_failures_total",
             "tandem_kv_transfer_bytes_total",
+            "tandem_kv_read_blocks_total",
+            "tandem_kv_reused_blocks_total",
         )
         return {n: self.server.counter(n, "decode") for n in names}
 
@@ -68,6 +70,10 @@ class TransferCheck:
         assert delta["tandem_kv_recomputes_total"] == 0, f"prompts were recomputed: {delta}"
         assert delta["tandem_kv_transfer_failures_total"] == 0, f"transfers failed: {delta}"
         assert delta["tandem_kv_remote_prefills_total"] == n, delta
+        # Every block of every remote prompt was READ, or taken from the decode worker's own
+        # prefix cache (the leading blocks an earlier prompt left there: decode-side reuse).
         blocks = sum(-(-length // self.block_size) for length in remote_prompt_lengths)
-        expected = blocks * kv_block_bytes(self.model, self.block_size, kv_dtype=self.kv_dtype)
+        read, reused = delta["tandem_kv_read_blocks_total"], delta["tandem_kv_reused_blocks_total"]
+        assert read + reused == blocks, (delta, blocks)
+        expected = read * kv_block_bytes(self.model, self.block_size, kv_dtype=self.kv_dtype)
         assert delta["tandem_kv_transfer_bytes_total"] == expected, (delta, expected)
