@@ -119,7 +119,7 @@ def agents_sdk_run(url: str, model: str, question: str) -> Any:
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     set_default_openai_client(client, use_for_tracing=False)
     get_weather = function_tool(weather, name_override="get_weather")
-    agent = Agent(name="Assistant", instructions="You are a helpful assistant.",
+    agent = Agent(name="Assistant", instructions="You are a helpful assistant. Answer in one short sentence.",
                   tools=[get_weather], model=model)  # fmt: skip
     return Runner.run_sync(agent, question, max_turns=3)
 
