@@ -187,7 +187,7 @@ class DecodeConnector:
 
     # -- the engine's calls ------------------------------------------------------------------
     def on_remote_admitted(
-        self, request_id: str, block_ids: list[int], num_reused_blocks: int = 0
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int
     ) -> None:
         rec = self.requests[request_id]
         msg = rec.ready

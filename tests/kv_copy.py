@@ -29,7 +29,7 @@ class CopyConnector:
         return True
 
     def on_remote_admitted(
-        self, request_id: str, block_ids: list[int], num_reused_blocks: int = 0
+        self, request_id: str, block_ids: list[int], num_reused_blocks: int
     ) -> None:
         self.admitted.append((request_id, block_ids))
         self.reused[request_id] = num_reused_blocks

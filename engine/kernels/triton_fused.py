@@ -30,13 +30,13 @@ MIN_SCALE = 1e-12
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, nr_ptr, s_x, s_r, H, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, r_ptr, w_ptr, out_ptr, q_ptr, s_ptr, nr_ptr, s_x, s_r, H, eps,
+    HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < H
-    dt = out_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty  # x, residual and the output share the activation dtype
     x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(r_ptr + row * s_r + cols, mask=m, other=0.0).to(tl.float32)
@@ -45,21 +45,36 @@ def _add_rms_norm_kernel(
     var = tl.sum(x * x, 0) / H
     y = (x * (1.0 / tl.sqrt(var + eps))).to(dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * H + cols, (w * y).to(dt), mask=m)
+    if QUANT:  # the bf16 value below, quantized as quantize_fp8_tokens would
+        out = (w * y).to(dt).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.where(m, tl.abs(out), 0.0), 0) / 448.0, 1e-12)
+        tl.store(s_ptr + row, scale)
+        yq = tl.minimum(tl.maximum(out / scale, -448.0), 448.0)
+        tl.store(q_ptr + row * H + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(out_ptr + row * H + cols, (w * y).to(dt), mask=m)
 
 
-def add_rms_norm(x, residual, weight, eps):
+def _launch_norm(x, residual, weight, eps, out, q, scale):
+    """One _add_rms_norm_kernel launch: into `out`, or (`out` None) into `q` and `scale`."""
     rows, hidden = x.shape
-    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    new_res = torch.empty_like(out) if residual is not None else x
+    new_res = torch.empty_like(x) if residual is not None else x
     if rows:
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out, new_res,
+            x, residual if residual is not None else x, weight,
+            out if out is not None else x, q if q is not None else x,
+            scale if scale is not None else x, new_res,
             x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            HAS_RES=residual is not None, QUANT=out is None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
-    return out, new_res
+    return new_res
+
+
+def add_rms_norm(x, residual, weight, eps):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out, _launch_norm(x, residual, weight, eps, out, None, None)
 
 
 @triton.jit
@@ -125,45 +140,13 @@ def quantize_fp8_tokens(x):
 # quantize_fp8_tokens(op(...)) exactly: the same values are rounded at the same points.
 
 
-@triton.jit
-def _add_rms_norm_fp8_kernel(
-    x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, nr_ptr, s_x, s_r, H, eps,
-    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    m = cols < H
-    dt = nr_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0).to(tl.float32)
-    if HAS_RES:
-        r = tl.load(r_ptr + row * s_r + cols, mask=m, other=0.0).to(tl.float32)
-        x = (x + r).to(dt).to(tl.float32)
-        tl.store(nr_ptr + row * H + cols, x.to(dt), mask=m)
-    var = tl.sum(x * x, 0) / H
-    y = (x * (1.0 / tl.sqrt(var + eps))).to(dt).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    out = (w * y).to(dt).to(tl.float32)  # the bf16 value add_rms_norm would store
-    scale = tl.maximum(tl.max(tl.where(m, tl.abs(out), 0.0), 0) / 448.0, 1e-12)
-    tl.store(s_ptr + row, scale)
-    yq = tl.minimum(tl.maximum(out / scale, -448.0), 448.0)
-    tl.store(q_ptr + row * H + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
-
-
 def add_rms_norm_fp8(x, residual, weight, eps):
     """(q e4m3 [M, H], scale fp32 [M, 1], new_residual): quantize_fp8_tokens of
     add_rms_norm's output, and its residual, in one kernel."""
     rows, hidden = x.shape
     q = torch.empty(rows, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    new_res = torch.empty_like(x) if residual is not None else x
-    if rows:
-        block = triton.next_power_of_2(hidden)
-        _add_rms_norm_fp8_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, q, scale, new_res,
-            x.stride(0), residual.stride(0) if residual is not None else 0, hidden, eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-        )  # fmt: skip
-    return q, scale, new_res
+    return q, scale, _launch_norm(x, residual, weight, eps, None, q, scale)
 
 
 @triton.jit

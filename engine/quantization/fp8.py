@@ -97,35 +97,33 @@ def fp8_linear(
     kernel). On CUDA without a bias the GEMM writes x.dtype itself (its epilogue scales in
     fp32 and rounds once, as the fp32 output's cast would) instead of an fp32 [M, N] copy.
     `x` may come quantized already (`FP8Tokens`, per-token scales only)."""
-    if isinstance(x, FP8Tokens):
-        xq, xs, dtype, cuda = x.q, x.scale, x.dtype, x.q.is_cuda
-        direct = cuda and bias is None
+    dtype = x.dtype
+    if block_k:  # FP8Tokens carry per-token scales only: never given to a block-wise layer
+        y = _block_linear(x, q, scale, block_k)
+    else:
+        xq, xs = _quantized_input(x, input_scale, quantize_tokens)
+        direct = xq.is_cuda and bias is None
+        # _scaled_mm wants the second operand column-major: q.t() is, without a copy.
         y = torch._scaled_mm(
             xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1),
             out_dtype=dtype if direct else torch.float32,
         )  # fmt: skip
         if direct:
             return y
-        return (y if bias is None else y + bias.float()).to(dtype)
-    if block_k:
-        y = _block_linear(x, q, scale, block_k)
-    else:
-        if input_scale is None:
-            xq, xs = (quantize_tokens or quantize_fp8_tokens)(x)
-        else:
-            xs = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
-            xq = to_fp8(x, xs)
-        direct = x.is_cuda and bias is None
-        # _scaled_mm wants the second operand column-major: q.t() is, without a copy.
-        y = torch._scaled_mm(
-            xq, q.t(), scale_a=xs, scale_b=scale.view(1, -1),
-            out_dtype=x.dtype if direct else torch.float32,
-        )  # fmt: skip
-        if direct:
-            return y
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    return y.to(dtype)
+
+
+def _quantized_input(x, input_scale, quantize_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 activations, fp32 scales [M, 1]) for a per-channel W8A8 GEMM: as given
+    (`FP8Tokens`), by the checkpoint's static scale, or quantized per token now."""
+    if isinstance(x, FP8Tokens):
+        return x.q, x.scale
+    if input_scale is None:
+        return (quantize_tokens or quantize_fp8_tokens)(x)
+    xs = input_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return to_fp8(x, xs), xs
 
 
 def _block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_k: int):

@@ -105,7 +105,7 @@ class FakeEngine:
 
     def admit(self, rid, blocks=(10, 11)) -> None:
         self.seqs[rid] = "remote_kv"
-        self.kv_connector.on_remote_admitted(rid, list(blocks))
+        self.kv_connector.on_remote_admitted(rid, list(blocks), 0)
 
 
 class FakeAgent:
