@@ -197,8 +197,9 @@ class LiveFit:
 
 def fit_overheads(groups: list[dict]) -> LiveFit:
     """The TTFT line (relative least squares of the groups' medians on the engine's prefill; a
-    slope outside PREFILL_SCALE_RANGE is not trusted: then slope 1 and the median residual)
-    and the median TPOT residual over the groups; overheads never below 0."""
+    slope outside PREFILL_SCALE_RANGE is not trusted: then slope 1 and the same relative fit of
+    the fixed part alone) and the median TPOT residual over the groups; overheads never below
+    0."""
     notes = []
     ttft = [g for g in groups if "ttft_residual_s" in g]
     tpot = [g["tpot_residual_s"] for g in groups if "tpot_residual_s" in g]
@@ -215,12 +216,22 @@ def fit_overheads(groups: list[dict]) -> LiveFit:
     lo, hi = PREFILL_SCALE_RANGE
     if not lo <= scale <= hi:
         notes.append(f"live prefill slope {scale:.3f} outside {PREFILL_SCALE_RANGE}: not used")
-        request_s, scale = statistics.median(g["ttft_residual_s"] for g in ttft), 1.0
+        request_s, scale = _fixed_part_at_slope_one(engine, served), 1.0
     token_s = statistics.median(tpot)
     for name, value in (("request", request_s), ("token", token_s)):
         if value < 0:
             notes.append(f"live {name} overhead {value * 1e3:.3f} ms < 0: clamped to 0")
     return LiveFit(max(request_s, 0.0), scale, max(token_s, 0.0), notes)
+
+
+def _fixed_part_at_slope_one(engine: list[float], served: list[float]) -> float:
+    """argmin_r sum(((r + x - y) / y)^2): the residuals weighted by 1 / served^2, so that the
+    short prompts, whose TTFT is mostly the fixed part, decide it. A plain median would let
+    the long prompts' noise (a served prefill a little faster or slower than the in-process
+    one) outvote them and swing the fixed part below zero."""
+    weights = [1.0 / (y * y) for y in served]
+    residuals = [y - x for x, y in zip(engine, served, strict=True)]
+    return sum(w * e for w, e in zip(weights, residuals, strict=True)) / sum(weights)
 
 
 def apply_live_overheads(
