@@ -35,6 +35,7 @@ ROUTER_FIELDS_FROM_SERVE = frozenset(
         "max_frame_bytes",
         "max_model_len",
         "default_block_size",
+        "tokenizer",
     }
 )
 # PlannerConfig fields `tandem serve` sets from its own settings (one flag, one meaning).
@@ -290,4 +291,5 @@ class ServeSettings:
                 "block_size", field_default(EngineConfig, "block_size")
             ),
             max_model_len=self.engine.get("max_model_len"),
+            tokenizer=self.engine.get("tokenizer"),
         )

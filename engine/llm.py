@@ -31,13 +31,13 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike, **settings: Any):
         self.engine = LLMEngine(engine_config(model, settings))
-        self.tokenizer = load_tokenizer(str(model))
+        self.tokenizer = load_tokenizer(self.engine.config.tokenizer or str(model))
         self._ids = itertools.count()
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this model directory has none")
+                raise ValueError("text prompts need a tokenizer: the model has none (tokenizer=)")
             if not prompt:
                 raise ValueError("prompt must not be empty")
             return self.tokenizer(prompt)["input_ids"]

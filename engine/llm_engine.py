@@ -46,6 +46,10 @@ class EngineConfig:
     (engine/config_flags.py); `cli=False` marks the ones a deployment sets per worker."""
 
     model: str = setting(help="local Hugging Face model directory", cli=False)
+    tokenizer: str | None = setting(
+        None,
+        "tokenizer: a Hugging Face tokenizer directory or a GGUF file (default: the model's own)",
+    )
     dtype: str = setting("bfloat16", "model dtype (float32 for exact parity with HF)")
     load_format: str = setting(
         "auto", "'dummy': seeded random weights, no safetensors read", choices=LOAD_FORMATS
@@ -245,9 +249,9 @@ class LLMEngine:
             from engine.model_info import load_tokenizer
             from engine.structured import GrammarCompiler
 
-            tokenizer = load_tokenizer(self.config.model)
+            tokenizer = load_tokenizer(self.config.tokenizer or self.config.model)
             if tokenizer is None:
-                raise ValueError("structured outputs need the model directory's tokenizer")
+                raise ValueError("structured outputs need the model's tokenizer (or --tokenizer)")
             mc = self.model_config
             self._grammars = GrammarCompiler(tokenizer, mc.vocab_size, mc.eos_token_ids)
         return self._grammars

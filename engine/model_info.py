@@ -110,13 +110,25 @@ def generation_defaults(model: str | Path) -> dict:
     return {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
 
 
-def read_model_info(model: str | Path, max_model_len: int | None = None) -> ModelInfo:
-    """Tokenizer, context window (capped by `max_model_len`), vocabulary size, EOS ids and
-    sampling defaults of the model directory. The tokenizer is required."""
-    tokenizer = load_tokenizer(model, required=True)
+def read_model_info(
+    model: str | Path, max_model_len: int | None = None, tokenizer: str | Path | None = None
+) -> ModelInfo:
+    """Tokenizer (the model's own, or `tokenizer`: another directory or GGUF file), context
+    window (capped by `max_model_len`), vocabulary size, EOS ids and sampling defaults of the
+    model directory. The tokenizer is required, and must not name ids the model lacks."""
+    source = tokenizer or model
+    if tokenizer is not None and not has_tokenizer(tokenizer):
+        raise ValueError(f"tokenizer {str(tokenizer)!r}: no {' or '.join(_TOKENIZER_FILES)}")
+    tok = load_tokenizer(source, required=True)
     hf_config = load_hf_config(model)
     window = context_window(hf_config, max_model_len, model)
-    vocab = getattr(hf_config, "vocab_size", None) or len(tokenizer)
+    vocab = getattr(hf_config, "vocab_size", None) or len(tok)
+    if len(tok) > vocab:
+        # Its ids past the embedding would make every prompt that uses them a 400.
+        raise ValueError(
+            f"tokenizer {str(source)!r} has {len(tok)} tokens; model {str(model)!r} embeds {vocab}"
+        )
+    tokenizer = tok
     return ModelInfo(
         tokenizer,
         window,

@@ -33,6 +33,9 @@ class RouterConfig:
         None,
         "model name in the API (default: the model directory's name; the path is accepted too)",
     )
+    tokenizer: str | None = setting(
+        None, "tokenizer directory or GGUF file (default: the model's own)"
+    )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
     bind_host: str = setting("127.0.0.1", "ZMQ token sink bind address")

@@ -221,3 +221,9 @@ def test_an_unknown_quantization_is_refused_naming_the_flag(flag, capsys):
 def test_an_unknown_quantization_is_refused_by_the_python_form(field):
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServeSettings(model="/m", **{field: "int4"})
+
+
+def test_one_tokenizer_flag_reaches_the_router_and_the_workers():
+    s = settings_from_args(_parse("--tokenizer", "/tok"))
+    assert s.router_config("127.0.0.1").tokenizer == "/tok"
+    assert EngineConfig(model=s.model, **s.engine).tokenizer == "/tok"

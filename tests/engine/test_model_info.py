@@ -123,3 +123,45 @@ def test_llm_settings_are_engine_config_fields(model):
     with pytest.raises(TypeError, match="'blok_size', 'max_seqs'") as err:
         LLM(model, blok_size=4, max_seqs=2, dtype="float32")
     assert "block_size" in str(err.value)  # the known ones are listed
+
+
+def _without_tokenizer(model: str, dest: Path) -> Path:
+    """The model's weights and config, no tokenizer files."""
+    dest.mkdir()
+    for f in Path(model).iterdir():
+        if f.is_file() and not f.name.startswith(("tokenizer", "special_tokens", "vocab")):
+            shutil.copy(f, dest / f.name)
+    assert load_tokenizer(dest) is None
+    return dest
+
+
+def test_a_tokenizer_from_elsewhere_serves_a_model_without_one(model, tmp_path):
+    bare = _without_tokenizer(model, tmp_path / "weights-only")
+    info = read_model_info(bare, tokenizer=model)
+    assert info.chat_template == read_model_info(model).chat_template
+    via_router = load_model_info(RouterConfig(model_path=str(bare), tokenizer=model))
+    assert via_router.vocab_size == info.vocab_size
+    ids = info.tokenizer("the tokenizer override")["input_ids"]
+    own = LLM(model, dtype="float32", num_kv_blocks=16)
+    other = LLM(bare, dtype="float32", num_kv_blocks=16, tokenizer=model)
+    assert other.tokenizer("the tokenizer override")["input_ids"] == ids
+    from engine.protocol import SamplingParams
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    assert [o.text for o in other.generate(["hello there"], greedy)] == [
+        o.text for o in own.generate(["hello there"], greedy)
+    ]
+
+
+def test_a_tokenizer_override_that_cannot_serve_is_refused(model, tmp_path, make_tiny_model):
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        read_model_info(model, tokenizer=tmp_path)
+    # A tokenizer naming ids past the model's embedding would turn prompts into 400s.
+    small = Path(make_tiny_model("llama"))
+    big_vocab = tmp_path / "big"
+    shutil.copytree(small, big_vocab)
+    cfg = json.loads((big_vocab / "config.json").read_text())
+    cfg["vocab_size"] = len(read_model_info(model).tokenizer) - 1
+    (big_vocab / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="embeds"):
+        read_model_info(big_vocab, tokenizer=model)
