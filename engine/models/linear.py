@@ -59,7 +59,10 @@ class Linear(nn.Linear):
       is faster than the tiled kernel once the widening is amortised over hundreds of rows.
     All compute what a bf16 GEMM with fp32 accumulation computes (bf16 products are exact in
     fp32), up to summation order, and round the result to bf16. A missing kernel falls through
-    to the next path. `cpu_ops` None disables the routing (GPU, fp32, CPUs with native bf16).
+    to the next path. `cpu_ops` None disables the routing (GPU, fp32). On CPUs with native
+    bf16 (`gemv_only`) only the GEMV rows take the kernel: oneDNN's native bf16 GEMM is
+    faster from 4 rows up, but at 1-3 rows (a decode step's) it reads the weight at ~0.8x the
+    kernel's rate (`benchmarks/cpu_kernels.py`).
 
     After `quantize_int8` the weight is int8 with per-channel scales and `_forward_int8` runs
     instead: the same kernels with int8 weights on CPU (`int8_ops`), dequantized fp32 GEMMs for
@@ -70,6 +73,7 @@ class Linear(nn.Linear):
 
     cpu_ops: CpuOps | None = None  # set when the bf16 routing is on
     widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
+    gemv_only = False  # native bf16 GEMM: only the GEMV rows leave torch (see `forward`)
     int8_ops: CpuOps | None = None  # set for int8 weights on a CPU with AVX-512
     # After quantization: buffers qweight (int8 or e4m3 [N, K]) and wscale (fp32 [N], or
     # [N, ceil(K / block_k)] for block-wise FP8); weight is None. scheme: None, "int8", "fp8".
@@ -123,9 +127,11 @@ class Linear(nn.Linear):
         if ops is None and not self.widen_fallback:
             return F.linear(x, self.weight, self.bias)
         m = x.shape[0] if x.dim() == 2 else -1
+        if ops is not None and 0 < m <= GEMV_MAX_ROWS and ops.gemv is not None:
+            return ops.gemv(x, self.weight, None, self.bias)
+        if self.gemv_only:
+            return F.linear(x, self.weight, self.bias)
         if ops is not None and 0 < m <= TILED_MAX_ROWS:
-            if m <= GEMV_MAX_ROWS and ops.gemv is not None:
-                return ops.gemv(x, self.weight, None, self.bias)
             if ops.tiled_linear is not None:
                 return ops.tiled_linear(x, self.weight, None, self.bias)
         bias = None if self.bias is None else widen(self.bias)

@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         on_cpu = self.lm_head.weight.device.type == "cpu"
         self.use_cpu_bf16_kernels(
-            prev == torch.bfloat16 and on_cpu and not cpu_has_native_bf16_gemm()
+            prev == torch.bfloat16 and on_cpu, gemv_only=cpu_has_native_bf16_gemm()
         )
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
         if self.lm_head.weight.device.type == "cuda":
@@ -236,14 +236,16 @@ class CausalLM(nn.Module):
             layer.post_attention_layernorm.fp8_consumer = (layer.mlp.gate_up_proj,) if fuse else ()
             layer.mlp.fp8_fused = fuse
 
-    def use_cpu_bf16_kernels(self, enabled: bool) -> None:
+    def use_cpu_bf16_kernels(self, enabled: bool, gemv_only: bool = False) -> None:
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
-        `Linear`); without the kernels, only the widened fp32 path is used."""
+        `Linear`); without the kernels, only the widened fp32 path is used. `gemv_only` (a CPU
+        with native bf16 GEMMs): the GEMV kernel for 1-3 rows, torch's bf16 GEMM otherwise."""
         ops = kernels.ops() if enabled else None
         for m in self.modules():
             if isinstance(m, Linear):
                 m.cpu_ops = ops
-                m.widen_fallback = enabled
+                m.widen_fallback = enabled and not gemv_only
+                m.gemv_only = gemv_only
 
     def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

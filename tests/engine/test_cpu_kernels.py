@@ -162,6 +162,35 @@ def test_linear_routes_every_row_count_to_the_same_result():
         torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-2)
 
 
+@needs_bf16
+def test_native_bf16_cpus_take_only_the_gemv_rows():
+    """With native bf16 GEMMs (`gemv_only`), 1-3 rows go through the GEMV kernel (a decode
+    step's weight read) and every other row count through torch's own bf16 GEMM."""
+    import dataclasses
+
+    calls = {"gemv": 0, "tiled_linear": 0}
+
+    def counted(name):
+        def op(*args):
+            calls[name] += 1
+            return getattr(OPS, name)(*args)
+
+        return op
+
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(96, 40, bias=True).to(torch.bfloat16)
+    lin.cpu_ops = dataclasses.replace(OPS, **{n: counted(n) for n in calls})
+    lin.gemv_only = True
+    for m, via in ((1, "gemv"), (3, "gemv"), (4, None), (TILED_MAX_ROWS, None), (300, None)):
+        before = dict(calls)
+        x = torch.randn(m, 96, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        got = lin(x)
+        ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        torch.testing.assert_close(got.float(), ref, rtol=2**-7, atol=1e-2)
+        moved = {n for n in calls if calls[n] != before[n]}
+        assert moved == ({via} if via else set()), (m, moved)
+
+
 def test_kernels_can_be_turned_off():
     """TANDEM_CPU_KERNELS=0: nothing is built and the engine still generates (torch paths)."""
     code = (
