@@ -13,8 +13,8 @@ bias are applied to the sum and the result is rounded once to the activation dty
 bf16). For bf16 that is the arithmetic of a bf16 GEMM with fp32 accumulation (bf16 products are
 exact in fp32), up to summation order.
 
-- `gemv(x, w, scale, bias)`: 1-3 activation rows; four weight rows stream side by side with
-  software prefetch (bandwidth-bound: ~100-120% of torch's fp32 `sum()` read rate).
+- `gemv(x, w, scale, bias)`: 1-3 activation rows; the weight streams once in address order
+  (bandwidth-bound: ~1.0x torch's fp32 `sum()` read rate for bf16, ~0.75x for int8, 64 MB).
 - `tiled_linear(x, w, scale, bias)`: any number of rows in 4 x 4 tiles (4 weight rows x 4
   activation rows, 16 fp32 accumulators, one widening per weight vector for 4 rows, the 16
   horizontal sums in 15 adds). ~70-100 GFLOP/s per core against ~55-60 for fp32 oneDNN at 16
@@ -53,9 +53,8 @@ inline __m512 widen16(const int8_t* p, __mmask16 k) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
-// How far ahead each weight row is prefetched. Four rows stream side by side, and the
-// hardware prefetcher alone left the GEMV at ~65% of a plain read's bandwidth; 512 bytes
-// ahead brought it to ~100-120% of torch's sum() (measured with 1 and 2 threads, 64 MB).
+// How far ahead each weight row of a tile is prefetched: four rows stream side by side, and
+// the hardware prefetcher alone left them at ~65% of a plain read's bandwidth (Intel Xeon).
 constexpr int kPrefetchBytes = 512;
 
 // The epilogue every kernel shares: scale (int8), bias, one rounding to the output dtype.
@@ -66,42 +65,43 @@ inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n)
     *op = static_cast<O>(acc);  // bf16: round to nearest even
 }
 
-// Weight rows [4 t0, 4 t1) x activation rows [0, MB): four weight rows at a time, each
-// chunk widened once and used for every activation row.
+// Weight rows [n0, n1) x activation rows [0, MB), one weight row at a time in memory order:
+// each 32-weight chunk is widened once and used for every activation row, into two
+// accumulators per activation row (even and odd 16-wide chunks; two chains hide the FMA
+// latency). Four rows side by side (the first layout) read at ~0.4 of `sum()`'s bandwidth on
+// an AMD EPYC: rows of 576-1536 weights are too short for four interleaved streams to get the
+// hardware prefetcher going. In address order the GEMV reads at ~1.0x of `sum()` (bf16) and
+// ~0.75x (int8) there (`benchmarks/cpu_decode.py`).
 template <int MB, typename W, typename O>
 static void rows(const W* wp, const float* xp, const float* sp, const float* bp, O* op,
-                 int64_t t0, int64_t t1, int64_t K, int64_t N) {
-    const int64_t K16 = K - K % 16;
+                 int64_t n0, int64_t n1, int64_t K, int64_t N) {
+    const int64_t K32 = K - K % 32, K16 = K - K % 16;
     const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
-    for (int64_t t = t0; t < t1; ++t) {
-        const W* r[4];
-        for (int j = 0; j < 4; ++j) r[j] = wp + std::min(t * 4 + j, N - 1) * K;
-        __m512 a[4][MB];
-        for (int j = 0; j < 4; ++j)
-            for (int m = 0; m < MB; ++m) a[j][m] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < K16; k += 16) {
-            __m512 xv[MB];
-            for (int m = 0; m < MB; ++m) xv[m] = _mm512_loadu_ps(xp + m * K + k);
-            for (int j = 0; j < 4; ++j) {
-                _mm_prefetch(reinterpret_cast<const char*>(r[j] + k) + kPrefetchBytes,
-                             _MM_HINT_T0);
-                const __m512 wv = widen16(r[j] + k);
-                for (int m = 0; m < MB; ++m) a[j][m] = _mm512_fmadd_ps(wv, xv[m], a[j][m]);
+    for (int64_t n = n0; n < n1; ++n) {
+        const W* r = wp + n * K;
+        __m512 a[MB][2];
+        for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K32; k += 32) {
+            const __m512 w0 = widen16(r + k), w1 = widen16(r + k + 16);
+            for (int m = 0; m < MB; ++m) {
+                a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + k), a[m][0]);
+                a[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + m * K + k + 16), a[m][1]);
             }
+        }
+        if (K32 < K16) {
+            const __m512 w0 = widen16(r + K32);
+            for (int m = 0; m < MB; ++m)
+                a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + K32), a[m][0]);
         }
         if (K16 < K) {
-            __m512 xv[MB];
-            for (int m = 0; m < MB; ++m) xv[m] = _mm512_maskz_loadu_ps(tail, xp + m * K + K16);
-            for (int j = 0; j < 4; ++j) {
-                const __m512 wv = widen16(r[j] + K16, tail);
-                for (int m = 0; m < MB; ++m) a[j][m] = _mm512_fmadd_ps(wv, xv[m], a[j][m]);
-            }
-        }
-        for (int j = 0; j < 4 && t * 4 + j < N; ++j) {
-            const int64_t n = t * 4 + j;
+            const __m512 w1 = widen16(r + K16, tail);
             for (int m = 0; m < MB; ++m)
-                store(op + m * N + n, _mm512_reduce_add_ps(a[j][m]), sp, bp, n);
+                a[m][1] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(tail, xp + m * K + K16),
+                                          a[m][1]);
         }
+        for (int m = 0; m < MB; ++m)
+            store(op + m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(a[m][0], a[m][1])), sp, bp,
+                  n);
     }
 }
 
@@ -252,11 +252,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
     return run(x, w, scale, bias, [](auto* wp, const float* xp, const float* sp,
                                      const float* bp, auto* op, int64_t M, int64_t K,
                                      int64_t N) {
-        at::parallel_for(0, (N + 3) / 4, 4, [&](int64_t t0, int64_t t1) {
+        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
             switch (M) {
-                case 3: rows<3>(wp, xp, sp, bp, op, t0, t1, K, N); break;
-                case 2: rows<2>(wp, xp, sp, bp, op, t0, t1, K, N); break;
-                default: rows<1>(wp, xp, sp, bp, op, t0, t1, K, N); break;
+                case 3: rows<3>(wp, xp, sp, bp, op, n0, n1, K, N); break;
+                case 2: rows<2>(wp, xp, sp, bp, op, n0, n1, K, N); break;
+                default: rows<1>(wp, xp, sp, bp, op, n0, n1, K, N); break;
             }
         });
     });
