@@ -80,8 +80,8 @@ def run(args) -> dict:
     from engine.protocol import SamplingParams
 
     set_threads(args.threads)
-    bw = measure_read_bandwidth(512, 5)["best_bytes_per_s"]
-    log(f"read-stream bandwidth: {bw / 1e9:.1f} GB/s (1 thread: fp32 sum over 512 MiB)")
+    bw = measure_read_bandwidth(args.bandwidth_mib, 5)["best_bytes_per_s"]
+    log(f"read-stream bandwidth: {bw / 1e9:.1f} GB/s (fp32 sum over {args.bandwidth_mib} MiB)")
     settings = {"dtype": "bfloat16", "num_kv_blocks": 64}
     if args.quantization:
         settings["quantization"] = args.quantization
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--quantization", choices=("int8",), default=None)
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the read-stream probe")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     if args.model is None:

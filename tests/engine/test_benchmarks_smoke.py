@@ -102,3 +102,45 @@ def test_quant_speed_quick(make_tiny_model, tmp_path):
         # The quantized layouts hold 1-byte weights plus fp32 scales: about half of bf16's.
         if row["quantization"] != "none":
             assert row["projection_bytes_vs_bf16"] <= 0.55, name
+
+
+@pytest.mark.timeout(300)
+def test_cpu_decode_compares_both_routings_against_the_read_bound(make_tiny_model, tmp_path):
+    from engine import kernels
+
+    if kernels.ops() is None or kernels.ops().gemv is None:
+        pytest.skip("engine.kernels' GEMV needs AVX-512")  # the benchmark refuses too
+    sys.path.insert(0, str(REPO))
+    from benchmarks import cpu_decode
+
+    out = tmp_path / "cd.json"
+    model = str(make_tiny_model("llama"))
+    assert (
+        cpu_decode.main(
+            [
+                "--model",
+                model,
+                "--rounds",
+                "1",
+                "--tokens",
+                "4",
+                "--bandwidth-mib",
+                "64",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    r = json.loads(out.read_text())
+    assert set(r["rounds"]) == {"torch", "kernel"} and len(r["ratio_per_round"]) == 1
+    # bf16 weights, every parameter once; an untied embedding table is only indexed, a tied
+    # one is read once as the head: the bytes a step reads.
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model) / "model.safetensors"), "pt") as f:
+        sizes = {k: f.get_tensor(k).numel() for k in f.keys()}
+    if "lm_head.weight" in sizes:
+        sizes.pop("model.embed_tokens.weight")
+    assert r["step_bytes"] == 2 * sum(sizes.values())
+    assert r["bound_s"] == pytest.approx(r["step_bytes"] / r["read_bandwidth_bytes_per_s"])
