@@ -162,3 +162,20 @@ def test_a_restarted_worker_is_resynced_and_a_leaving_one_forgotten(rig):
     rig.sync()
     assert rig.index.held("w0") == {} and "w0" not in rig.index.workers()
     gone.stop()
+
+
+def test_the_snapshot_socket_drops_bad_requests_and_keeps_answering(rig):
+    from engine.kv_events import KVSnapshot, KVSnapshotRequest
+
+    server = next(iter(rig.servers.values()))
+    dealer = rig.ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.kv_events_endpoints[1])
+    for bad in (b"", b"\xc1", encode(GenerateRequest("x", [1], SamplingParams(), rig.reply_to))):
+        dealer.send(bad)
+    dealer.send(encode(KVSnapshotRequest()))
+    assert dealer.poll(5000), "no snapshot after bad requests"
+    snap = decode(dealer.recv(), expect=KVSnapshot)
+    assert snap.worker_id == server.worker_id and not dealer.poll(200)  # one answer only
+    assert set(snap.tiers.get("device", [])) == rig.held(server.worker_id)
+    dealer.close(linger=0)
