@@ -30,7 +30,12 @@ sys.path.insert(0, str(REPO))
 from bench import fault_cases as fc  # noqa: E402
 from bench.live_server import LiveServer  # noqa: E402
 
-BASE = ("--dtype", "float32", "--disagg-threshold", "8", "--log-level", "WARNING")
+# Affinity routing: every case prompt (8+ tokens) takes the KV hand-off, which the faults
+# target; kv-events would prefill them on a decode worker holding their shared first block.
+BASE = (
+    "--dtype", "float32", "--disagg-threshold", "8", "--log-level", "WARNING",
+    "--routing", "affinity",
+)  # fmt: skip
 
 
 def _faults(fail_reads: int) -> str:

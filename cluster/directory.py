@@ -28,6 +28,8 @@ class ControllerDirectory:
                 load=_load(r),
                 incarnation=r.get("incarnation", ""),
                 state=r.get("state", "ready"),
+                kv_events_endpoint=r.get("kv_events_endpoint", ""),
+                kv_snapshot_endpoint=r.get("kv_snapshot_endpoint", ""),
             )
             for r in rows
         ]

@@ -91,6 +91,9 @@ class WorkerActor:
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "request_endpoint": self.server.endpoint,
+            # KV events (engine/kv_events.py): what its prefix cache holds, for the routers.
+            "kv_events_endpoint": self.server.kv_events_endpoints[0],
+            "kv_snapshot_endpoint": self.server.kv_events_endpoints[1],
             "kv_endpoint": agent.endpoint if agent is not None else "",
             "kv_name": agent.name if agent is not None else "",
             "kv_instance_id": agent.instance_id if agent is not None else "",

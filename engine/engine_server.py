@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.kv_events import KVEventPublisher
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
 from engine.protocol import AbortRequest, GenerateRequest, Shutdown, TokenMessage, WorkerLoad
@@ -216,6 +217,7 @@ class EngineServer:
         self.requests.bind(f"tcp://{bind_host}:*")
         self.endpoint = self.requests.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.replies = ReplySockets(self.ctx)
+        self.kv_events = self._kv_events(bind_host)
         self.reply_to: dict[str, str] = {}  # request id -> router endpoint
         self.open_choices: dict[str, int] = {}  # request id -> its choices not yet finished
         self.num_bad_frames = 0
@@ -225,10 +227,36 @@ class EngineServer:
         self._thread: threading.Thread | None = None
         self._poller = zmq.Poller()
         self._poller.register(self.requests, zmq.POLLIN)
+        if self.kv_events is not None:  # a resync request wakes an idle loop too
+            self._poller.register(self.kv_events.snapshots, zmq.POLLIN)
         self._load_time = 0.0
         self._latest_load: WorkerLoad | None = None
         self.step_delay_s = 0.0  # fault injection (tests): sleep this long after each step
         connector.attach(self)
+
+    def _kv_events(self, bind_host: str) -> KVEventPublisher | None:
+        """The KV event publisher, hooked to the engine's block manager (an engine without
+        one, or without prefix caching, has no cache to tell routers about)."""
+        bm = getattr(self.engine, "block_manager", None)
+        if bm is None or not bm.enable_prefix_caching:
+            return None
+        pub = KVEventPublisher(
+            self.ctx,
+            self.worker_id,
+            bm.block_size,
+            lambda: {"device": bm.cached_hashes()},
+            bind_host,
+            self.max_frame_bytes,
+        )
+        bm.event_sink = pub.record
+        return pub
+
+    @property
+    def kv_events_endpoints(self) -> tuple[str, str]:
+        """(PUB endpoint, snapshot endpoint) of the KV events, ("", "") without them."""
+        if self.kv_events is None:
+            return "", ""
+        return self.kv_events.endpoint, self.kv_events.snapshot_endpoint
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -246,6 +274,8 @@ class EngineServer:
 
     def close(self) -> None:
         self.replies.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.requests.close(linger=0)
         self.ctx.term()
         self.connector.close()
@@ -277,6 +307,9 @@ class EngineServer:
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
         self.connector.after_step()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+            self.kv_events.serve_snapshots()
         now = time.monotonic()
         if now - self._load_time > 0.05:
             self._load_time = now

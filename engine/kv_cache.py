@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from engine.block_hash import hash_block, lookup_blocks, prefix_block_hashes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = ("auto", "fp8_e4m3")
@@ -185,8 +188,10 @@ class Block:
     token_ids: tuple[int, ...] = field(default_factory=tuple)
 
 
-def hash_block(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((prev_hash, token_ids))
+# Events for a listener that mirrors this cache (the worker's KV event publisher, see
+# engine/kv_events.py): a block hash entered ("stored") or left ("removed") the prefix cache.
+STORED, REMOVED = "stored", "removed"
+DEVICE_TIER = "device"
 
 
 class BlockManager:
@@ -201,6 +206,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
+        # Optional listener: event_sink(kind, block_hash, tier), called as the cache changes.
+        self.event_sink: Callable[[str, int, str], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -215,12 +222,9 @@ class BlockManager:
 
     # -- prefix lookup -------------------------------------------------------------------
     def _prefix_hashes(self, token_ids: list[int], max_blocks: int) -> list[tuple[int, tuple]]:
-        out, prev = [], None
-        for b in range(max_blocks):
-            chunk = tuple(token_ids[b * self.block_size : (b + 1) * self.block_size])
-            prev = hash_block(prev, chunk)
-            out.append((prev, chunk))
-        return out
+        bs = self.block_size
+        hashes = prefix_block_hashes(token_ids, bs, max_blocks)
+        return [(h, tuple(token_ids[b * bs : (b + 1) * bs])) for b, h in enumerate(hashes)]
 
     def _lookup(self, token_ids: list[int]) -> list[int]:
         """Block ids of the longest cached prefix. The last prompt token is never served from
@@ -228,12 +232,18 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for h, chunk in self._prefix_hashes(token_ids, (len(token_ids) - 1) // self.block_size):
+        for h, chunk in self._prefix_hashes(
+            token_ids, lookup_blocks(len(token_ids), self.block_size)
+        ):
             bid = self._cached.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:
                 break
             hits.append(bid)
         return hits
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (a listener's resync)."""
+        return list(self._cached)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """How many leading tokens of `token_ids` the prefix cache holds (whole blocks)."""
@@ -251,6 +261,8 @@ class BlockManager:
         block = self.blocks[bid]
         if block.hash is not None and self._cached.get(block.hash) == bid:
             del self._cached[block.hash]  # evict the cached prefix it held
+            if self.event_sink is not None:
+                self.event_sink(REMOVED, block.hash, DEVICE_TIER)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return bid
 
@@ -348,6 +360,8 @@ class BlockManager:
                 chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
                 block.hash = hash_block(prev, chunk)
                 block.token_ids = chunk
-                self._cached.setdefault(block.hash, block.block_id)
+                if self._cached.setdefault(block.hash, block.block_id) == block.block_id:
+                    if self.event_sink is not None:
+                        self.event_sink(STORED, block.hash, DEVICE_TIER)
             prev = block.hash
         return max(full, start)

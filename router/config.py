@@ -17,6 +17,7 @@ from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
+ROUTING_POLICIES = ("kv-events", "affinity")
 
 
 @dataclass(slots=True)
@@ -62,6 +63,15 @@ class RouterConfig:
         5.0, "a request that cannot be queued to a worker within this fails"
     )
     # Routing policy knobs (see router/routing.py).
+    routing: str = setting(
+        "kv-events",
+        "kv-events: route by the prefix blocks each worker really holds (its KV events); "
+        "affinity: by a hash of the prompt's first tokens",
+        choices=ROUTING_POLICIES,
+    )
+    kv_index_max_entries: int = setting(
+        1 << 22, "(block, worker) pairs the kv-events index holds at most (beyond: not indexed)"
+    )
     affinity_prefix_tokens: int = setting(
         64, "prompt tokens hashed to pick a prefill worker with the prefix cached"
     )
@@ -147,7 +157,10 @@ class RouterConfig:
             "decode_batch_norm",
             "default_block_size",
             "completion_default_max_tokens",
+            "kv_index_max_entries",
         )
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         for name in positive:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

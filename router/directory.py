@@ -28,6 +28,8 @@ class WorkerInfo:
     `incarnation` changes when the worker is replaced (a restarted process): requests the old
     one held are lost. `state`: "ready" (routable), "draining" (finishing what it holds, no new
     requests), "down" (dead or hung: its requests are failed at once).
+    `kv_events_endpoint` / `kv_snapshot_endpoint`: where it publishes its KV events and answers
+    resyncs (engine/kv_events.py); empty for a worker that publishes none.
     """
 
     worker_id: str
@@ -36,6 +38,8 @@ class WorkerInfo:
     load: WorkerLoad
     incarnation: str = ""
     state: str = READY
+    kv_events_endpoint: str = ""
+    kv_snapshot_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if self.state not in WORKER_STATES:

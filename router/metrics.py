@@ -199,6 +199,64 @@ def _worker_gauges(labels: list[str]) -> dict[str, GaugeMetricFamily]:
     }
 
 
+class KVIndexCollector:
+    """The kv-events index (router/kv_index.py) and its listener, read at scrape time from a
+    `router.routing.WorkerPool` (nothing with `--routing affinity`, which keeps no index)."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        pool = self._pool
+        listener = pool.kv_listener
+        if listener is None:
+            return
+        index = pool.kv_index
+        yield GaugeMetricFamily(
+            "tandem_kv_index_entries",
+            "(block hash, worker) pairs in the router's KV index",
+            value=index.num_entries,
+        )
+        for name, doc, value in (
+            ("tandem_kv_events_received", "KV events received from workers", index.num_events),
+            ("tandem_kv_event_batches", "KV event batches received", listener.num_batches),
+            (
+                "tandem_kv_index_resyncs",
+                "Worker snapshots loaded into the KV index",
+                listener.num_resyncs,
+            ),
+            (
+                "tandem_kv_index_resync_failures",
+                "KV index resyncs that failed or timed out",
+                listener.num_resync_failures,
+            ),
+            (
+                "tandem_kv_index_overflow",
+                "KV blocks not indexed: the index was full",
+                index.num_overflow,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        hits = CounterMetricFamily(
+            "tandem_kv_routing_hits",
+            "Routes whose chosen worker held part of the prompt",
+            labels=["pool"],
+        )
+        tokens = CounterMetricFamily(
+            "tandem_kv_routing_hit_tokens",
+            "Prompt tokens the chosen worker held, per route",
+            labels=["pool"],
+        )
+        for p in ("decode", "prefill"):
+            hits.add_metric([p], pool.route_hits[p])
+            tokens.add_metric([p], pool.route_hit_tokens[p])
+        yield hits
+        yield tokens
+
+
 class RouterMetrics:
     def __init__(self, snapshot: Callable[[], list[WorkerInfo]]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -306,6 +364,10 @@ class RouterMetrics:
     def track_planner(self, status: Callable[[], PlannerStatus | None]) -> None:
         """Export the planner status `status()` returns at scrape time (None: planner off)."""
         self._planner_status = status
+
+    def track_kv_index(self, pool) -> None:
+        """Export the kv-events index of `pool` (a router.routing.WorkerPool) at scrape time."""
+        self.registry.register(KVIndexCollector(pool))
 
     def track_queue(self, requests: Callable[[], float], tokens: Callable[[], float]) -> None:
         """Read the admission queue's size at scrape time (never stale, nothing to update)."""

@@ -17,6 +17,18 @@ reports), so they can be unit tested without sockets.
 - Disaggregation: prompts shorter than `disagg_threshold`, or any prompt when there are no
   prefill workers (colocated mode), are prefilled on the decode worker itself.
 
+That is `--routing affinity`. The default, `--routing kv-events` (`plan_route_kv`), reads the
+router's KV index (router/kv_index.py, fed by the workers' KV events) instead of guessing:
+- Decode: the same cost, less `decode_slack` x the share of the prompt the worker holds
+  (leading blocks, weighted by tier), so a worker holding the whole prompt may be up to
+  `decode_slack` busier than the least loaded one and still win.
+- Local vs remote: the prompt tokens the chosen decode worker lacks (not the prompt length)
+  against `disagg_threshold`: a next turn whose history that worker holds is prefilled there.
+- Prefill: least `queued_prefill_tokens + tokens it would compute` (the prompt less what it
+  holds, tier-weighted).
+Prompt blocks are hashed exactly as the engine hashes them (engine/block_hash.py), with the
+block size each worker's snapshot declares.
+
 After a dispatch, `LoadView.note_dispatch` bumps the chosen workers' counters optimistically;
 the next directory snapshot replaces the view.
 
@@ -51,6 +63,8 @@ from engine.roles import DECODING_ROLES, PREFILL
 from router.config import RouterConfig
 from router.dataplane import DataPlane
 from router.directory import DOWN, READY, WorkerDirectory, WorkerInfo
+from router.kv_index import KVIndex, PromptHashes
+from router.kv_listener import KVEventListener
 
 LOCAL = "local"
 REMOTE = "remote"
@@ -101,6 +115,8 @@ class RoutePlan:
     path: str  # LOCAL | REMOTE
     decode: WorkerInfo
     prefill: WorkerInfo | None = None
+    decode_hit_tokens: int = 0  # prompt tokens the decode worker holds (kv-events routing)
+    prefill_hit_tokens: int = 0
 
 
 class NoWorkersError(RuntimeError):
@@ -224,6 +240,67 @@ def plan_route(
     return RoutePlan(REMOTE, decode.info, prefill.info)
 
 
+def _hits(index: KVIndex, hashes: PromptHashes, s: WorkerState) -> tuple[int, float]:
+    bs = index.block_size(s.worker_id) or s.block_size
+    return index.hit_tokens(s.worker_id, hashes.get(bs), bs)
+
+
+def choose_decode_kv(
+    candidates: list[WorkerState],
+    prompt_len: int,
+    hits: dict[str, tuple[int, float]],
+    batch_norm: int = 32,
+    slack: float = 0.0,
+) -> WorkerState:
+    """The lowest decode cost less `slack` x the tier-weighted share of the prompt held."""
+    if not candidates:
+        raise NoWorkersError("no decode workers are available")
+
+    def score(s: WorkerState) -> tuple[bool, float, float, str]:
+        no_room, value, wid = decode_cost(s, prompt_len, batch_norm)
+        held = hits.get(wid, (0, 0.0))[1] / max(1, prompt_len)
+        return (no_room, value - slack * held, -held, wid)  # equal cost: the bigger hit
+
+    return min(candidates, key=score)
+
+
+def choose_prefill_kv(
+    candidates: list[WorkerState], prompt_len: int, hits: dict[str, tuple[int, float]]
+) -> WorkerState:
+    """Least queued prefill tokens plus the tokens it would compute for this prompt."""
+    if not candidates:
+        raise NoWorkersError("no prefill workers are available")
+
+    def load(s: WorkerState) -> tuple[float, int, str]:
+        compute = prompt_len - hits.get(s.worker_id, (0, 0.0))[1]
+        return (s.queued_prefill_tokens + compute, s.waiting, s.worker_id)
+
+    return min(candidates, key=load)
+
+
+def plan_route_kv(
+    view: LoadView,
+    prompt_ids: list[int],
+    index: KVIndex,
+    *,
+    disagg_threshold: int,
+    batch_norm: int = 32,
+    decode_slack: float = 0.0,
+) -> RoutePlan:
+    """`plan_route` from the KV index: see the module docstring (`--routing kv-events`)."""
+    hashes = PromptHashes(prompt_ids)
+    n = len(prompt_ids)
+    decodes, prefills = view.decode_workers, view.prefill_workers
+    hits = {s.worker_id: _hits(index, hashes, s) for s in decodes + prefills}
+    decode = choose_decode_kv(decodes, n, hits, batch_norm, decode_slack)
+    decode_hit = hits[decode.worker_id][0]
+    # The tokens the decode worker lacks decide: it would compute only those locally.
+    if decide_path(n - decode_hit, disagg_threshold, len(prefills)) == LOCAL:
+        return RoutePlan(LOCAL, decode.info, decode_hit_tokens=decode_hit)
+    prefill = choose_prefill_kv(prefills, n, hits)
+    return RoutePlan(REMOTE, decode.info, prefill.info, decode_hit, hits[prefill.worker_id][0])
+
+
 log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -242,8 +319,19 @@ class WorkerPool:
         # request id -> the (worker id, incarnation) pairs it depends on, decode first
         self._inflight: dict[str, list[tuple[str, str]]] = {}
         self._gone: set[str] = set()  # workers missing from the latest snapshot
+        self.kv_index = KVIndex(config.kv_index_max_entries)
+        self.kv_listener = (
+            KVEventListener(self.kv_index, config.max_frame_bytes)
+            if config.routing == "kv-events"
+            else None
+        )
+        # Routes whose chosen worker held part of the prompt, and the tokens it held, per pool.
+        self.route_hits = {"decode": 0, "prefill": 0}
+        self.route_hit_tokens = {"decode": 0, "prefill": 0}
 
     async def start(self) -> None:
+        if self.kv_listener is not None:
+            await self.kv_listener.start()
         await self.refresh()
         self._refresh_task = asyncio.create_task(self._refresh_loop(), name="router-directory")
 
@@ -253,6 +341,8 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresh_task
             self._refresh_task = None
+        if self.kv_listener is not None:
+            await self.kv_listener.stop()
 
     async def refresh(self) -> None:
         try:
@@ -265,6 +355,8 @@ class WorkerPool:
         self._view = LoadView(routable, self.config.default_block_size)
         self.dataplane.retain({w.request_endpoint for w in self.workers if w.state != DOWN})
         self._fail_orphans({w.worker_id: w for w in self.workers})
+        if self.kv_listener is not None:
+            self.kv_listener.sync(self.workers)
 
     async def _refresh_loop(self) -> None:
         while True:
@@ -313,6 +405,23 @@ class WorkerPool:
 
     def _plan(self, prompt_ids: list[int]) -> RoutePlan:
         cfg = self.config
+        if self.kv_listener is not None:
+            plan = plan_route_kv(
+                self._view,
+                prompt_ids,
+                self.kv_index,
+                disagg_threshold=cfg.disagg_threshold,
+                batch_norm=cfg.decode_batch_norm,
+                decode_slack=cfg.decode_affinity_slack,
+            )
+            for pool, hit in (
+                ("decode", plan.decode_hit_tokens),
+                ("prefill", plan.prefill_hit_tokens),
+            ):
+                if hit:
+                    self.route_hits[pool] += 1
+                    self.route_hit_tokens[pool] += hit
+            return plan
         return plan_route(
             self._view,
             prompt_ids,

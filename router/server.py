@@ -115,6 +115,7 @@ class RouterServer:
             on_bad_frame=self.metrics.bad_frames.inc,
         )
         self.pool = WorkerPool(config, directory, self.dataplane)
+        self.metrics.track_kv_index(self.pool)
         self.admission = AdmissionControl(
             config.max_queued_requests, config.max_queued_prompt_tokens
         )

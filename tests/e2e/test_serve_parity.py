@@ -135,6 +135,11 @@ def server(request, start_serve, e2e_model):
         str(THRESHOLD),
         "--max-num-batched-tokens",
         "256",
+        # These tests count local/remote decisions and transferred blocks by prompt length,
+        # the affinity policy's rule; kv-events decides by what the decode worker already
+        # holds (tests/e2e/test_serve_robustness.py covers it live).
+        "--routing",
+        "affinity",
     ) as sp:
         sp.pools = request.param
         yield sp

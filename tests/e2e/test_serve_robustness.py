@@ -174,3 +174,34 @@ def test_chat_completion_uses_the_template(server, e2e_model):
     assert r.usage.prompt_tokens == len(tok(ids, add_special_tokens=False)["input_ids"])
     assert r.choices[0].message.role == "assistant"
     assert r.usage.completion_tokens >= 1
+
+
+def test_kv_events_route_a_next_turn_by_what_the_decode_worker_holds(server):
+    """`--routing kv-events` (the default): a conversation's second turn, whose first 48 tokens
+    the decode worker holds from the first turn (3 blocks of 16), lacks only 3 tokens there —
+    under the disaggregation threshold (8) — so it is prefilled on that decode worker, which
+    really finds the 48 tokens in its cache. (By prompt length alone it would go remote.)"""
+    first = list(range(101, 149))  # 48 token ids: three full blocks
+    m0 = server.metrics()
+
+    def delta(name: str) -> float:
+        return server.metrics().get(name, 0.0) - m0.get(name, 0.0)
+
+    status, body = _post(server.url, {"prompt": first, "max_tokens": 2, "temperature": 0})
+    assert status == 200, body
+    assert delta('tandem_disagg_decisions_total{path="remote"}') == 1
+    # Both workers' events reach the router's index (each holds the three blocks).
+    want = m0.get("tandem_kv_index_entries", 0) + 6
+    deadline = time.time() + 15
+    while server.metrics().get("tandem_kv_index_entries", 0) < want and time.time() < deadline:
+        time.sleep(0.2)
+    hits_before = server.counter("tandem_prefix_cache_hit_tokens_total", "decode")
+    status, body = _post(
+        server.url, {"prompt": [*first, 7, 8, 9], "max_tokens": 2, "temperature": 0}
+    )
+    assert status == 200, body
+    assert delta('tandem_disagg_decisions_total{path="local"}') == 1
+    assert delta('tandem_kv_routing_hits_total{pool="decode"}') == 1
+    assert delta('tandem_kv_routing_hit_tokens_total{pool="decode"}') == 48
+    hits = server.wait_counter("tandem_prefix_cache_hit_tokens_total", "decode", hits_before + 48)
+    assert hits - hits_before == 48

@@ -11,6 +11,7 @@ import pytest
 from fuzz.frames import templates
 
 from engine import wire
+from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot, KVSnapshotRequest
 from engine.protocol import GenerateRequest, PrefillRequest, SamplingParams, Shutdown, TokenMessage
 from engine.wire import WIRE_VERSION, WireError, decode, encode
 from kv_transfer.messages import HelloReply, KVReady
@@ -30,6 +31,10 @@ def _every_message() -> list:
         HelloReply(
             True, "n", "i", nixl_metadata=b"\x00md", num_blocks=4, data_base=64, block_bytes=8
         ),  # fmt: skip
+        # KV events (their own sockets: worker PUB -> router SUB, and the resync)
+        KVEventBatch("w", "inc", 3, 16, [KVEvent("stored", -5, "device")]),
+        KVSnapshotRequest(),
+        KVSnapshot("w", "inc", 3, 16, {"device": [1, -2], "host": [3]}),
     ]
 
 

@@ -11,8 +11,14 @@ from pathlib import Path
 from bench.fault_requests import Tally
 from bench.live_server import LiveServer
 
-# Prompts of 8+ tokens take the prefill worker and the KV hand-off (all the cases' prompts).
-BASE_FLAGS = ("--dtype", "float32", "--disagg-threshold", "8", "--log-level", "WARNING")
+# Prompts of 8+ tokens take the prefill worker and the KV hand-off (all the cases' prompts):
+# by length, the affinity rule. kv-events routing would prefill the cases' prompts, which
+# share their first block, on a decode worker that holds it, and the transfer faults below
+# would never meet a transfer.
+BASE_FLAGS = (
+    "--dtype", "float32", "--disagg-threshold", "8", "--log-level", "WARNING",
+    "--routing", "affinity",
+)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -80,6 +80,9 @@ def server(start_serve, smollm2_gguf):
     # 256 blocks (4096 tokens) per worker hold every request here and start faster.
     flags = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--num-kv-blocks", "256")
     flags += ("--disagg-threshold", str(THRESHOLD))
+    # The paths asserted below follow the prompt-length rule (affinity routing): kv-events
+    # would prefill a conversation locally once the decode worker holds its earlier turns.
+    flags += ("--routing", "affinity")
     with start_serve(smollm2_gguf, *flags) as sp:
         yield sp
 

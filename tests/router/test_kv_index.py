@@ -1,0 +1,186 @@
+"""The router's KV index (router/kv_index.py) as pure state, the engine's block events that feed
+it (engine/kv_cache.py), the hash both sides share (engine/block_hash.py), and the kv-events
+routing policy (router.routing.plan_route_kv) over it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.block_hash import lookup_blocks, prefix_block_hashes
+from engine.kv_cache import BlockManager
+from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot
+from engine.protocol import WorkerLoad
+from engine.wire import decode, encode
+from router.directory import WorkerInfo
+from router.kv_index import KVIndex
+from router.routing import LOCAL, REMOTE, LoadView, plan_route_kv
+
+REPO = Path(__file__).resolve().parents[2]
+BS = 4
+
+
+def batch(seq, *events, wid="w0", inc="i1"):
+    evs = [KVEvent(kind, h, tier) for kind, h, tier in events]
+    return KVEventBatch(wid, inc, seq, BS, evs)
+
+
+def snap(seq, hashes, wid="w0", inc="i1", host=()):
+    tiers = {"device": list(hashes)} | ({"host": list(host)} if host else {})
+    return KVSnapshot(wid, inc, seq, BS, tiers)
+
+
+def synced(index: KVIndex, hashes=(), **kw) -> KVIndex:
+    assert index.load_snapshot(snap(0, hashes, **kw)) is False
+    return index
+
+
+def test_in_order_batches_apply_and_a_gap_resyncs_then_replays():
+    index = synced(KVIndex())
+    assert index.apply(batch(1, ("stored", 10, "device"), ("stored", 11, "device"))) is False
+    assert index.held("w0") == {10: "device", 11: "device"}
+    # Batch 2 is lost: batch 3 is buffered, not applied, and a resync is asked for.
+    assert index.apply(batch(3, ("removed", 10, "device"))) is True
+    assert not index.is_synced("w0") and 10 in index.held("w0")
+    assert index.apply(batch(4, ("stored", 13, "device"))) is True  # buffered while resyncing
+    # The snapshot reflects batches up to 3; only 4 is replayed on top.
+    assert index.load_snapshot(snap(3, [11, 12])) is False
+    assert index.held("w0") == {11: "device", 12: "device", 13: "device"}
+    assert index.is_synced("w0")
+    assert index.holders(13) == {"w0": "device"} and index.holders(10) == {}
+
+
+def test_a_heartbeat_past_our_seq_is_a_gap_and_duplicates_are_ignored():
+    index = synced(KVIndex(), [1])
+    assert index.apply(batch(0)) is False  # heartbeat at our seq
+    assert index.apply(batch(1, ("stored", 2, "device"))) is False
+    assert index.apply(batch(1, ("removed", 2, "device"))) is False  # a duplicate: ignored
+    assert 2 in index.held("w0")
+    assert index.apply(batch(2)) is True  # heartbeat: batch 2 never arrived
+
+
+def test_a_new_incarnation_or_an_unknown_worker_resyncs():
+    index = KVIndex()
+    # A router that starts after the worker: its first batch asks for a snapshot.
+    assert index.apply(batch(7, ("stored", 5, "device"))) is True
+    assert index.load_snapshot(snap(6, [4])) is False  # batch 7 replayed after it
+    assert index.held("w0") == {4: "device", 5: "device"}
+    # The worker restarts: seq 1 of a new incarnation is not a duplicate, it is a resync.
+    assert index.apply(batch(1, ("stored", 9, "device"), inc="i2")) is True
+    assert index.load_snapshot(snap(1, [9], inc="i2")) is False
+    assert index.held("w0") == {9: "device"} and index.holders(4) == {}
+    assert index.num_entries == 1
+
+
+def test_a_gap_among_buffered_batches_resyncs_again():
+    index = synced(KVIndex())
+    index.apply(batch(2, ("stored", 1, "device")))
+    index.apply(batch(5, ("stored", 2, "device")))
+    assert index.load_snapshot(snap(2, [1])) is True  # 3 and 4 are missing before 5
+    assert not index.is_synced("w0")
+
+
+def test_a_worker_that_leaves_is_forgotten():
+    index = KVIndex()
+    synced(index, [1, 2], wid="a")
+    synced(index, [2, 3], wid="b")
+    assert index.holders(2) == {"a": "device", "b": "device"}
+    index.forget("a")
+    assert index.holders(2) == {"b": "device"} and index.holders(1) == {}
+    assert index.workers() == ["b"] and index.num_entries == 2
+
+
+def test_the_index_is_bounded():
+    index = synced(KVIndex(max_entries=3), [1, 2])
+    index.apply(batch(1, *[("stored", h, "device") for h in (3, 4, 5)]))
+    assert index.num_entries == 3 and index.num_overflow == 2
+    index.apply(batch(2, ("removed", 5, "device"), ("removed", 1, "device")))  # 5: never indexed
+    assert index.num_entries == 2 and set(index.held("w0")) == {2, 3}
+
+
+def test_hits_are_leading_blocks_weighted_by_tier_and_need_the_same_block_size():
+    index = synced(KVIndex(), [1, 2], host=[3])
+    assert index.hit_tokens("w0", [1, 2, 3, 4], BS) == (3 * BS, 2.5 * BS)
+    assert index.hit_tokens("w0", [9, 1, 2], BS) == (0, 0.0)  # a prefix, not any block
+    assert index.hit_tokens("w0", [1, 2], BS * 2) == (0, 0.0)  # hashed for another size
+    assert index.hit_tokens("nobody", [1], BS) == (0, 0.0)
+
+
+def test_frames_round_trip_with_limits():
+    b = batch(3, ("stored", -(1 << 63), "device"), ("removed", (1 << 63) - 1, "host"))
+    assert decode(encode(b), expect=KVEventBatch) == b
+    s = snap(3, [1, 2], host=[3])
+    assert decode(encode(s), expect=KVSnapshot) == s
+
+
+def test_block_manager_reports_stored_and_removed_hashes_the_router_computes():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    events: list[tuple[str, int, str]] = []
+    bm.event_sink = lambda *e: events.append(e)
+    prompt = list(range(100, 111))  # 2 full blocks + 3 tokens
+    table, _ = bm.allocate(prompt)
+    bm.commit(table, prompt, len(prompt))
+    expected = prefix_block_hashes(prompt, BS, 2)
+    assert events == [("stored", h, "device") for h in expected]
+    assert sorted(bm.cached_hashes()) == sorted(expected)
+    # A second owner of the same prefix registers nothing new.
+    t2, cached = bm.allocate(prompt)
+    assert cached == 2 * BS
+    bm.commit(t2, prompt, len(prompt))
+    assert len(events) == 2
+    bm.free(t2)
+    bm.free(table)
+    events.clear()
+    # Another prompt takes every block: the cached ones are evicted, each reported once.
+    other = list(range(500, 516))
+    t3, _ = bm.allocate(other)
+    assert sorted(e for e in events) == sorted(("removed", h, "device") for h in expected)
+    assert bm.cached_hashes() == []
+    bm.free(t3)
+
+
+def test_the_block_hash_is_the_same_in_every_process():
+    """The router computes the hashes the workers publish, in another process: Python's own
+    hash() of a chain seeded with None differs between processes (3.11), this must not."""
+    prompt = list(range(7, 30))
+    code = (
+        "import json; from engine.block_hash import prefix_block_hashes as p; "
+        f"print(json.dumps(p({prompt}, {BS}, 5)))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    runs = [
+        json.loads(subprocess.check_output([sys.executable, "-c", code], env=env, text=True))
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] == prefix_block_hashes(prompt, BS, 5)
+    assert lookup_blocks(len(prompt), BS) == 5
+
+
+def worker(wid, role, free=100, running=0, queued=0):
+    load = WorkerLoad(wid, role, free, 100, running, 0, queued, extra={"block_size": BS})
+    return WorkerInfo(wid, role, f"tcp://127.0.0.1:{5000 + len(wid)}", load)
+
+
+def test_kv_routing_sends_a_prompt_where_its_prefix_is_held():
+    prompt = list(range(40))  # 10 blocks; the cache may serve 9
+    held = prefix_block_hashes(prompt, BS, 9)
+    index = KVIndex()
+    synced(index, held, wid="d1")
+    synced(index, held[:2], wid="p1")
+    view = LoadView(
+        [worker(w, r) for w, r in (("d0", "decode"), ("d1", "decode"))]
+        + [worker("p0", "prefill"), worker("p1", "prefill")]
+    )
+    # The decode worker holding 36 of 40 tokens lacks 4 < the threshold: prefilled there.
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    assert (plan.path, plan.decode.worker_id, plan.decode_hit_tokens) == (LOCAL, "d1", 36)
+    # A lower threshold sends it to the prefill pool, to the worker with the most cached.
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2, decode_slack=0.25)
+    assert (plan.path, plan.prefill.worker_id, plan.prefill_hit_tokens) == (REMOTE, "p1", 8)
+    # Affinity by hit has a limit: a holder much busier than the other loses.
+    view.states["d1"].running = 32
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    assert plan.decode.worker_id == "d0" and plan.path == REMOTE
