@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -201,6 +202,9 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self.num_prefix_hit_tokens = 0
         self.num_prefix_query_tokens = 0
+        # Called as (block_id, hash, token_ids) when a cached block is evicted, before it is
+        # reused: the host tier copies it out (engine/kv_host_cache.py).
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -251,6 +255,8 @@ class BlockManager:
         block = self.blocks[bid]
         if block.hash is not None and self._cached.get(block.hash) == bid:
             del self._cached[block.hash]  # evict the cached prefix it held
+            if self.on_evict is not None:
+                self.on_evict(bid, block.hash, block.token_ids)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return bid
 
