@@ -451,6 +451,8 @@ class EngineServer:
                 "preemptions": s["num_preemptions"],
                 "prefix_hit_tokens": s["prefix_hit_tokens"],
                 "prefix_query_tokens": s["prefix_query_tokens"],
+                # The host KV tier's counters and occupancy (engine/kv_host_cache.py), if on.
+                **{k: v for k, v in s.items() if k.startswith("host_")},
                 "time": time.time(),
             },
         )

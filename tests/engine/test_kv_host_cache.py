@@ -36,7 +36,9 @@ def _host_gb(engine_kw: dict, model, blocks: int) -> float:
 def _conversations(n=3, turns=3, seed=0):
     rng = random.Random(seed)
     convs = [[rng.randrange(5, 400) for _ in range(40)] for _ in range(n)]
-    return convs, [[[rng.randrange(5, 400) for _ in range(12)] for _ in range(turns)] for _ in convs]
+    return convs, [
+        [[rng.randrange(5, 400) for _ in range(12)] for _ in range(turns)] for _ in convs
+    ]
 
 
 class ComputeMeter:
@@ -130,9 +132,11 @@ def test_demoted_then_promoted_block_is_byte_identical(model, kv_dtype):
     prompt = [rng.randrange(5, 400) for _ in range(50)]
     llm.generate([prompt], GREEDY)
     hashes = _chain(prompt)
-    snap = [(cache.data[bm._cached[h]].clone(), None) for h in hashes]
-    if cache.scales is not None:
-        snap = [(d, cache.scales[bm._cached[h]].clone()) for (d, _), h in zip(snap, hashes)]
+    has_scales = cache.scales is not None
+    snap = [
+        (cache.data[b].clone(), cache.scales[b].clone() if has_scales else None)
+        for b in (bm._cached[h] for h in hashes)
+    ]
     # Another long prompt takes every device block: the first one's blocks go to host.
     llm.generate([[rng.randrange(5, 400) for _ in range(80)]], GREEDY)
     assert not any(h in bm._cached for h in hashes)
