@@ -223,3 +223,9 @@ def test_decode_side_reuse_counts_host_hits(model):
         assert tokens == ref[k].token_ids
     assert de.host_cache.promotions > 0 and sum(conn.reused.values()) > 0
     assert de.block_manager.num_free_blocks == 10
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_bad_host_cache_size_is_refused(bad):
+    with pytest.raises(ValueError, match="kv_host_cache_gb"):
+        EngineConfig(model="m", kv_host_cache_gb=bad)
