@@ -229,3 +229,42 @@ def test_decode_side_reuse_counts_host_hits(model):
 def test_bad_host_cache_size_is_refused(bad):
     with pytest.raises(ValueError, match="kv_host_cache_gb"):
         EngineConfig(model="m", kv_host_cache_gb=bad)
+
+
+def test_promoted_blocks_are_matchable_and_handed_off_only_after_their_step(model):
+    """Prefill role: while the step that needs promoted blocks has not run, no other request
+    can match them (they are not in the device prefix cache); the hand-off after it carries
+    their bytes as they were demoted."""
+    kw = dict(dtype="float32", max_num_batched_tokens=64, role="prefill")
+    gb = _host_gb(kw, model, 32)
+    eng = LLMEngine(EngineConfig(model=str(model), num_kv_blocks=8, kv_host_cache_gb=gb, **kw))
+    bm, rng = eng.block_manager, random.Random(6)
+    holder = Holder(eng, "b")
+    prompt = [rng.randrange(5, 400) for _ in range(50)]
+    hashes = _chain(prompt)
+
+    def prefill(rid, p):
+        eng.add_request(rid, p, GREEDY)
+        while eng.has_unfinished():
+            eng.step()
+
+    prefill("a", prompt)
+    snap = [eng.cache.data[bm._cached[h]].clone() for h in hashes]
+    prefill("evict", [rng.randrange(5, 400) for _ in range(120)])  # all 8 blocks
+    assert not any(h in bm._cached for h in hashes)
+    seen = []
+    execute = eng.runner.execute
+
+    def spy(plan):
+        seen.append([h in bm._cached for h in hashes])
+        return execute(plan)
+
+    eng.runner.execute = spy
+    prefill("b", prompt + [7, 8, 9])
+    assert seen[0] == [False] * len(hashes)  # the promoting step: not matchable yet
+    assert eng.host_cache.promotions >= len(hashes)
+    table = holder.handoff.block_ids
+    assert [bm._cached[h] for h in hashes] == table[: len(hashes)]  # committed after the step
+    for b, data in zip(table, snap, strict=False):
+        assert torch.equal(eng.cache.data[b], data)
+    eng.release("b")
