@@ -268,3 +268,18 @@ def test_promoted_blocks_are_matchable_and_handed_off_only_after_their_step(mode
     for b, data in zip(table, snap, strict=False):
         assert torch.equal(eng.cache.data[b], data)
     eng.release("b")
+
+
+def test_evictions_during_a_promotion_never_take_its_host_slots(model):
+    """A full pool whose every slot this admission is about to promote: the device blocks its
+    own allocation evicts are dropped, not written over the slots it reads."""
+    llm, _ = _llm(model, 2, device_blocks=8)
+    host, rng = llm.engine.host_cache, random.Random(7)
+    prompt = [rng.randrange(5, 400) for _ in range(40)]  # 2 full blocks and a partial one
+    first = llm.generate([prompt], GREEDY)[0]
+    llm.generate([[rng.randrange(5, 400) for _ in range(120)]], GREEDY)  # every device block
+    assert host.num_used == 2 and all(h in host for h in _chain(prompt))
+    dropped = host.dropped
+    again = llm.generate([prompt], GREEDY)[0]
+    assert host.dropped > dropped and again.num_cached_tokens == 32
+    assert again.token_ids == first.token_ids
