@@ -18,6 +18,10 @@ is in flight, joins `running` when the KV landed (`add_running`), and from then 
 ordinary sequence (preemptible, recomputed from its tokens). A failed transfer sends it back
 to the head of the queue as a local prefill (`recompute`).
 
+With a host KV tier (`Scheduler.host`, engine/kv_host_cache.py) an admission's prefix match
+goes on in host memory after the device match; those blocks are copied into the fresh ones
+before the step and count as cached tokens (`num_cached_tokens`: both tiers, once).
+
 Sequence states: WAITING (queued, no KV) -> RUNNING (has blocks; prefilling in chunks, then
 decoding) -> FINISHED. Preemption sends RUNNING back to WAITING with its blocks freed; it is
 recomputed from its tokens (prompt + output so far) on readmission. Two states serve the split
@@ -274,8 +278,9 @@ class Scheduler:
                 if not self.bm.can_allocate(seq.num_prompt_tokens, prompt):
                     return
                 self.waiting.popleft()
-                # Leading blocks this worker already caches are taken by reference; the
-                # connector reads only the rest from the peer (decode-side KV reuse).
+                # Leading blocks this worker already caches are taken by reference (or copied
+                # back from its host tier); the connector reads only the rest from the peer
+                # (decode-side KV reuse).
                 seq.block_table, seq.num_reused_tokens, _ = self._allocate(prompt, count=False)
                 seq.status = SeqStatus.REMOTE_KV
                 self.fetching[seq.request_id] = seq
