@@ -221,3 +221,9 @@ def test_an_unknown_quantization_is_refused_naming_the_flag(flag, capsys):
 def test_an_unknown_quantization_is_refused_by_the_python_form(field):
     with pytest.raises(ValueError, match="quantization must be one of"):
         ServeSettings(model="/m", **{field: "int4"})
+
+
+def test_host_kv_tier_flag_reaches_every_worker_engine():
+    settings = settings_from_args(_parse("--kv-host-cache-gb", "2.5"))
+    assert settings.engine["kv_host_cache_gb"] == 2.5
+    assert settings_from_args(_parse()).engine["kv_host_cache_gb"] == 0.0
