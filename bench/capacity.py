@@ -88,6 +88,7 @@ def engine_config(cfg: CapacityConfig, role: str) -> Any:
         block_size=cfg.block_size,
         num_kv_blocks=cfg.num_kv_blocks,
         kv_cache_memory_gb=cfg.kv_cache_memory_gb,
+        kv_host_cache_gb=cfg.kv_host_cache_gb,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,

@@ -38,6 +38,7 @@ class CapacityConfig:
     max_num_seqs: int = setting(256, "sequences per step")
     kv_cache_memory_gb: float | None = setting(None, "KV cache GiB (unset: serve's default)")
     num_kv_blocks: int | None = setting(None, "KV cache blocks (unset: sized from memory)")
+    kv_host_cache_gb: float = setting(0.0, "host-memory KV tier GiB per worker (0: off)")
     max_model_len: int | None = setting(None, "cap on the context window")
     prefill_lengths: tuple[int, ...] | None = setting(
         None, "prompt lengths to prefill, comma-separated (unset: 16 .. the step budget)",

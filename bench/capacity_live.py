@@ -61,6 +61,7 @@ def serve_flags(cfg: CapacityConfig) -> list[str]:
         "attention_backend",
         "kv_cache_memory_gb",
         "num_kv_blocks",
+        "kv_host_cache_gb",
         "max_model_len",
     ):
         value = getattr(cfg, name)

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.kv_cache import DEVICE_TIER, HOST_TIER
 from engine.kv_events import KVEventPublisher
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
@@ -244,12 +245,20 @@ class EngineServer:
             self.ctx,
             self.worker_id,
             bm.block_size,
-            lambda: {"device": bm.cached_hashes()},
+            lambda: self._held_hashes(bm),
             bind_host,
             self.max_frame_bytes,
         )
         bm.event_sink = pub.record
         return pub
+
+    def _held_hashes(self, bm) -> dict[str, list[int]]:
+        """Per tier, the block hashes this worker holds (a KV-event snapshot)."""
+        held = {DEVICE_TIER: bm.cached_hashes()}
+        host = getattr(self.engine, "host_cache", None)
+        if host is not None:
+            held[HOST_TIER] = host.cached_hashes()
+        return held
 
     @property
     def kv_events_endpoints(self) -> tuple[str, str]:
@@ -484,6 +493,8 @@ class EngineServer:
                 "preemptions": s["num_preemptions"],
                 "prefix_hit_tokens": s["prefix_hit_tokens"],
                 "prefix_query_tokens": s["prefix_query_tokens"],
+                # The host KV tier's counters and occupancy (engine/kv_host_cache.py), if on.
+                **{k: v for k, v in s.items() if k.startswith("host_")},
                 "time": time.time(),
             },
         )

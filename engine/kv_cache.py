@@ -191,7 +191,7 @@ class Block:
 # Events for a listener that mirrors this cache (the worker's KV event publisher, see
 # engine/kv_events.py): a block hash entered ("stored") or left ("removed") the prefix cache.
 STORED, REMOVED = "stored", "removed"
-DEVICE_TIER = "device"
+DEVICE_TIER, HOST_TIER = "device", "host"
 
 
 class BlockManager:
@@ -208,6 +208,9 @@ class BlockManager:
         self.num_prefix_query_tokens = 0
         # Optional listener: event_sink(kind, block_hash, tier), called as the cache changes.
         self.event_sink: Callable[[str, int, str], None] | None = None
+        # Called as (block_id, hash, token_ids) when a cached block is evicted, before it is
+        # reused: the host tier copies it out (engine/kv_host_cache.py).
+        self.on_evict: Callable[[int, int, tuple[int, ...]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -261,8 +264,13 @@ class BlockManager:
         block = self.blocks[bid]
         if block.hash is not None and self._cached.get(block.hash) == bid:
             del self._cached[block.hash]  # evict the cached prefix it held
+            # The device copy's removal is told first, then the host tier's demotion
+            # ("stored" host): a listener keeps one tier per block, so the other order would
+            # drop the host copy with the device one.
             if self.event_sink is not None:
                 self.event_sink(REMOVED, block.hash, DEVICE_TIER)
+            if self.on_evict is not None:
+                self.on_evict(bid, block.hash, block.token_ids)
         block.hash, block.token_ids, block.ref_count = None, (), 1
         return bid
 

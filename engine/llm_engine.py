@@ -25,6 +25,7 @@ from engine.config_flags import setting
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
 from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
+from engine.kv_host_cache import HostKVCache
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.outputs import TokenOutput
@@ -59,6 +60,9 @@ class EngineConfig:
     kv_cache_memory_gb: float | None = setting(
         None, "KV cache budget in GiB when --num-kv-blocks is not given (CPU default: 1)"
     )
+    kv_host_cache_gb: float = setting(
+        0.0, "host-memory KV tier in GiB for blocks the device cache evicts (0: off)"
+    )
     max_num_seqs: int = setting(256, "sequences per step")
     max_num_batched_tokens: int = setting(2048, "tokens per step (the chunked-prefill budget)")
     max_model_len: int | None = setting(None, "cap on the context window")
@@ -91,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not self.kv_host_cache_gb >= 0:  # NaN too
+            raise ValueError(f"kv_host_cache_gb must be >= 0, got {self.kv_host_cache_gb}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -140,6 +146,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill
         )
+        self.host_cache = None
+        if config.kv_host_cache_gb > 0 and config.enable_prefix_caching:
+            host = HostKVCache(self.cache, self.block_manager, int(config.kv_host_cache_gb * 2**30))
+            self.host_cache = self.scheduler.host = host
         self.backend = select_backend(
             config.attention_backend,
             self.device,
@@ -432,6 +442,8 @@ class LLMEngine:
             self._start_fetches(plan.fetch)
         if not plan.scheduled:
             return []
+        if self.host_cache is not None:
+            self.host_cache.wait()  # promoted blocks are copied before the step reads them
         samplers, tokens, entries = self.runner.execute(plan)
         self.num_steps += 1
         for s in plan.scheduled:
@@ -537,6 +549,7 @@ class LLMEngine:
     # -- introspection -------------------------------------------------------------------
     def stats(self) -> dict:
         bm = self.block_manager
+        host = self.host_cache.stats() if self.host_cache is not None else {}
         return {
             "num_free_blocks": bm.num_free_blocks,
             "num_total_blocks": bm.num_blocks,
@@ -544,7 +557,9 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "queued_prefill_tokens": self.scheduler.num_waiting_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_hit_tokens": bm.num_prefix_hit_tokens,
+            # Both tiers: the prompt tokens a cache saved computing.
+            "prefix_hit_tokens": bm.num_prefix_hit_tokens + host.get("host_hit_tokens", 0),
             "prefix_query_tokens": bm.num_prefix_query_tokens,
             "num_steps": self.num_steps,
+            **host,
         }

@@ -18,6 +18,10 @@ is in flight, joins `running` when the KV landed (`add_running`), and from then 
 ordinary sequence (preemptible, recomputed from its tokens). A failed transfer sends it back
 to the head of the queue as a local prefill (`recompute`).
 
+With a host KV tier (`Scheduler.host`, engine/kv_host_cache.py) an admission's prefix match
+goes on in host memory after the device match; those blocks are copied into the fresh ones
+before the step and count as cached tokens (`num_cached_tokens`: both tiers, once).
+
 Sequence states: WAITING (queued, no KV) -> RUNNING (has blocks; prefilling in chunks, then
 decoding) -> FINISHED. Preemption sends RUNNING back to WAITING with its blocks freed; it is
 recomputed from its tokens (prompt + output so far) on readmission. Two states serve the split
@@ -166,6 +170,15 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.fetching: dict[str, Sequence] = {}  # REMOTE_KV: blocks held, KV in flight
         self.num_preemptions = 0
+        self.host = None  # engine.kv_host_cache.HostKVCache when --kv-host-cache-gb is set
+
+    def _allocate(self, token_ids: list[int], use_cache: bool = True, count: bool = True):
+        """(block table, cached tokens, of which on the device): the prefix match goes on in
+        the host tier when there is one (its hits are copied back before the next step)."""
+        if self.host is not None:
+            return self.host.allocate(token_ids, use_cache, count)
+        table, cached = self.bm.allocate(token_ids, use_cache, count)
+        return table, cached, cached
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -265,9 +278,10 @@ class Scheduler:
                 if not self.bm.can_allocate(seq.num_prompt_tokens, prompt):
                     return
                 self.waiting.popleft()
-                # Leading blocks this worker already caches are taken by reference; the
-                # connector reads only the rest from the peer (decode-side KV reuse).
-                seq.block_table, seq.num_reused_tokens = self.bm.allocate(prompt, count=False)
+                # Leading blocks this worker already caches are taken by reference (or copied
+                # back from its host tier); the connector reads only the rest from the peer
+                # (decode-side KV reuse).
+                seq.block_table, seq.num_reused_tokens, _ = self._allocate(prompt, count=False)
                 seq.status = SeqStatus.REMOTE_KV
                 self.fetching[seq.request_id] = seq
                 plan.fetch.append(seq)
@@ -281,9 +295,12 @@ class Scheduler:
             self.waiting.popleft()
             # Prompt log-probabilities need every position computed: no cached prefix.
             use_cache = seq.sampling.prompt_logprobs is None
-            seq.block_table, seq.num_cached_tokens = self.bm.allocate(seq.token_ids, use_cache)
+            seq.block_table, seq.num_cached_tokens, on_device = self._allocate(
+                seq.token_ids, use_cache
+            )
             seq.num_computed_tokens = seq.num_cached_tokens
-            seq.num_committed_blocks = seq.num_cached_tokens // self.bm.block_size
+            # Promoted blocks are committed after this step, like the blocks it computes.
+            seq.num_committed_blocks = on_device // self.bm.block_size
             seq.status = SeqStatus.RUNNING
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             plan.scheduled.append(ScheduledSeq(seq, n))

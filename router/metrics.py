@@ -11,7 +11,7 @@ from the latest directory snapshot by `WorkerCollector`, so they are never stale
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
 transfer_bytes, transfer_seconds, transfer_failures, expired_leases, remote_prefills,
 recomputed, handoffs, read_blocks, reused_blocks, aborts, prefix_hit_tokens,
-prefix_query_tokens; see `_TRANSFER_KEYS`) and
+prefix_query_tokens, the host KV tier's host_*; see `_TRANSFER_KEYS`) and
 are exported as counters with a worker label; a restarted worker restarts its series, as
 Prometheus expects.
 
@@ -92,7 +92,23 @@ _TRANSFER_KEYS = (
     ),
     ("bad_frames", "tandem_worker_bad_frames", "Malformed or oversized frames a worker dropped"),
     ("preemptions", "tandem_preemptions", "Sequences preempted (recomputed) for lack of KV"),
-    ("prefix_hit_tokens", "tandem_prefix_cache_hit_tokens", "Prompt tokens served from cache"),
+    (
+        "prefix_hit_tokens",
+        "tandem_prefix_cache_hit_tokens",
+        "Prompt tokens served from cache (device and host tiers)",
+    ),
+    ("host_hit_tokens", "tandem_kv_host_hit_tokens", "Prompt tokens served from the host KV tier"),
+    ("host_hit_blocks", "tandem_kv_host_hit_blocks", "Blocks found in the host KV tier"),
+    (
+        "host_miss_blocks",
+        "tandem_kv_host_miss_blocks",
+        "Blocks past a device prefix hit looked up in the host KV tier and not found",
+    ),
+    ("host_demotions", "tandem_kv_host_demotions", "Evicted device blocks copied to host"),
+    ("host_promotions", "tandem_kv_host_promotions", "Host blocks copied back to the device"),
+    ("host_dropped", "tandem_kv_host_dropped", "Evicted blocks not kept: every host slot reserved"),
+    ("host_bytes_demoted", "tandem_kv_host_demoted_bytes", "KV bytes copied device to host"),
+    ("host_bytes_promoted", "tandem_kv_host_promoted_bytes", "KV bytes copied host to device"),
     (
         "prefix_query_tokens",
         "tandem_prefix_cache_query_tokens",
@@ -164,6 +180,10 @@ class WorkerCollector:
             gauges["usage"].add_metric(lv, used)
             gauges["queued_prefill"].add_metric(lv, load.queued_prefill_tokens)
             extra = load.extra or {}
+            for key in ("host_used_blocks", "host_total_blocks"):  # only where the tier is on
+                value = extra.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    gauges[key].add_metric(lv, value)
             for key, _, _ in _TRANSFER_KEYS:
                 value = extra.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
@@ -195,6 +215,12 @@ def _worker_gauges(labels: list[str]) -> dict[str, GaugeMetricFamily]:
         ),
         "queued_prefill": GaugeMetricFamily(
             "tandem_queued_prefill_tokens", "Prompt tokens waiting for prefill", labels=labels
+        ),
+        "host_used_blocks": GaugeMetricFamily(
+            "tandem_kv_host_used_blocks", "Blocks held by the host KV tier", labels=labels
+        ),
+        "host_total_blocks": GaugeMetricFamily(
+            "tandem_kv_host_total_blocks", "Host KV tier capacity in blocks", labels=labels
         ),
     }
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from bench.capacity import CapacityConfig, config_from_args
-from bench.capacity_live import fit_overheads
+from bench.capacity import CapacityConfig, config_from_args, engine_config
+from bench.capacity_live import fit_overheads, serve_flags
 from bench.capacity_profile import CapacityProfile
 from bench.capacity_steps import decode_grid_cells, prefill_lengths
 from cluster import cli
@@ -55,6 +55,15 @@ def test_capacity_dtype_defaults_to_serves_unless_given():
     assert config_from_args(args).dtype == "float32"
     # The latency profile keeps its own default.
     assert parser.parse_args(["profile"]).dtype == "float32"
+
+
+def test_host_kv_tier_reaches_the_profiled_engines_and_the_live_server():
+    parser = cli.build_parser(["profile", "--capacity"])
+    argv = ["profile", "--capacity", "--model", "m", "--kv-host-cache-gb", "1.5"]
+    cfg = config_from_args(parser.parse_args(argv))
+    assert engine_config(cfg, "decode").kv_host_cache_gb == 1.5
+    flags = serve_flags(cfg)
+    assert flags[flags.index("--kv-host-cache-gb") + 1] == "1.5"
 
 
 def test_capacity_config_rejects_bad_lists():

@@ -227,3 +227,9 @@ def test_one_tokenizer_flag_reaches_the_router_and_the_workers():
     s = settings_from_args(_parse("--tokenizer", "/tok"))
     assert s.router_config("127.0.0.1").tokenizer == "/tok"
     assert EngineConfig(model=s.model, **s.engine).tokenizer == "/tok"
+
+
+def test_host_kv_tier_flag_reaches_every_worker_engine():
+    settings = settings_from_args(_parse("--kv-host-cache-gb", "2.5"))
+    assert settings.engine["kv_host_cache_gb"] == 2.5
+    assert settings_from_args(_parse()).engine["kv_host_cache_gb"] == 0.0

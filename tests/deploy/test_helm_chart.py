@@ -302,6 +302,8 @@ def test_serve_flags_follow_the_values(helm: Helm) -> None:
         "model.servedModelName=m",
         "--set",
         "model.kvDtype=fp8_e4m3",
+        "--set-json",  # --set would pass 2.5 as a string
+        "model.kvHostCacheGb=2.5",
         "--set-json",
         'serving.extraArgs=["--log-level", "DEBUG"]',
     )
@@ -311,6 +313,7 @@ def test_serve_flags_follow_the_values(helm: Helm) -> None:
     # Colocated: no pool sizes on the command line.
     assert not given_flags(argv) & {"--prefill", "--decode"}, argv
     assert (ns.served_model_name, ns.kv_dtype) == ("m", "fp8_e4m3")
+    assert ns.kv_host_cache_gb == 2.5  # the host KV tier (engine/kv_host_cache.py)
     # serving.extraArgs (values.yaml's example) reach `tandem serve` verbatim, last.
     assert argv[-2:] == ["--log-level", "DEBUG"] and ns.log_level == "DEBUG"
 

@@ -78,3 +78,32 @@ def test_bad_counter_values_are_skipped():
     extra = {"prefix_query_tokens": True, "prefix_hit_tokens": "12"}
     s = _samples(RouterMetrics(lambda: [_worker("d1", "decode", extra=extra)]))
     assert not any(name.startswith("tandem_prefix_cache") for name, _ in s)
+
+
+def test_host_kv_tier_counters_and_occupancy():
+    """A worker with the host KV tier on (engine/kv_host_cache.py) exports its counters and its
+    occupancy; one without it has no such series."""
+    host = {
+        "host_hit_tokens": 64,
+        "host_hit_blocks": 4,
+        "host_miss_blocks": 2,
+        "host_demotions": 9,
+        "host_promotions": 4,
+        "host_dropped": 0,
+        "host_bytes_demoted": 900,
+        "host_bytes_promoted": 400,
+        "host_used_blocks": 9,
+        "host_total_blocks": 32,
+    }
+    workers = [_worker("p0", "prefill", extra=host), _worker("d0", "decode", extra={})]
+    s = _samples(RouterMetrics(lambda: workers))
+    p0 = (("role", "prefill"), ("worker", "p0"))
+    assert s[("tandem_kv_host_hit_tokens_total", p0)] == 64
+    assert s[("tandem_kv_host_miss_blocks_total", p0)] == 2
+    assert s[("tandem_kv_host_promotions_total", p0)] == 4
+    assert s[("tandem_kv_host_demoted_bytes_total", p0)] == 900
+    assert (s[("tandem_kv_host_used_blocks", p0)], s[("tandem_kv_host_total_blocks", p0)]) == (
+        9,
+        32,
+    )
+    assert not any(name.startswith("tandem_kv_host") and lv[1][1] == "d0" for name, lv in s)

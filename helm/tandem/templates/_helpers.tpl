@@ -323,6 +323,7 @@ tandem serve --model {{ include "tandem.modelPath" . | quote }} --served-model-n
 {{- else }} --replicas {{ int $v.serving.replicas }}
 {{- end }} --host 0.0.0.0 --port {{ int $v.router.port }} --address auto --bind-host auto --prefill-resource {{ $v.prefill.rayResource }} --decode-resource {{ $v.decode.rayResource }} --dtype {{ $v.model.dtype }} --kv-dtype {{ $v.model.kvDtype }} --prefill-quantization {{ $v.model.prefillQuantization | default "auto" }} --decode-quantization {{ $v.model.decodeQuantization | default "auto" }}
 {{- if $v.model.quantized }} --quantized{{ end }} --block-size {{ int $v.model.blockSize }}
+{{- if $v.model.kvHostCacheGb }} --kv-host-cache-gb {{ $v.model.kvHostCacheGb }}{{ end }}
 {{- if not (kindIs "invalid" $v.serving.disaggThreshold) }} --disagg-threshold {{ int $v.serving.disaggThreshold }}{{ end }}
 {{- if $v.autoscaling.planner.enabled }} {{ include "tandem.plannerArgs" . }}{{ end }}
 {{- range $v.serving.extraArgs }} {{ . | quote }}{{ end }}

@@ -1,0 +1,194 @@
+"""The host-memory KV tier (`--kv-host-cache-gb`): blocks the device prefix cache evicts are
+copied to a host pool, found again by the same block hash chain, and copied back into fresh
+device blocks when a later prompt continues a device hit with them.
+
+Demotion: `BlockManager` calls `on_evict(block_id, hash, token_ids)` when it reuses a free block
+that still holds a cached prefix, before anything can write the block. The block's every byte
+(K and V of every layer, and the FP8 scales when the cache has them) goes to a host slot. The
+pool is an LRU by hash with a fixed number of slots (`capacity_bytes // bytes per block`); a
+hash already in it is only refreshed (equal hashes mean equal KV).
+
+Promotion (`allocate`): after the device prefix match the chain goes on in the host pool; the
+host hits are reserved (an eviction this same allocation causes cannot reuse their slots), the
+device allocation runs, and each hit is copied into the fresh block at its position. Those
+tokens count as cached, exactly once (`num_cached_tokens` = device + host hits). A promoted
+block is not registered in the device prefix cache here: the caller commits it after the step
+that computed-or-promoted it, like a block the step computed, so nothing can match it (nor a
+prefill connector hand it to a NIXL READ, which happens after a step) before its copy.
+
+CUDA: the pool is pinned memory and copies run on a side stream. A demotion waits for the
+compute stream (the block's last writer) and the compute stream waits for it at once (the next
+write to that block may come before the next step: a fork's copy). A promotion records an event
+that `wait()` makes the compute stream wait on before the step that reads it, so the copy
+overlaps the scheduler's host work. Every pool copy is on the one side stream, so a slot is never
+overwritten while a promotion still reads it. CPU: plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from engine.kv_cache import HOST_TIER, REMOVED, STORED, BlockManager, KVCache, hash_block
+
+
+class HostKVCache:
+    def __init__(self, cache: KVCache, bm: BlockManager, capacity_bytes: int):
+        self.cache, self.bm = cache, bm
+        self.block_bytes = KVCache.bytes_per_block(cache.spec)
+        self.num_slots = max(0, int(capacity_bytes) // self.block_bytes)
+        cuda = cache.device.type == "cuda"
+        shape = (self.num_slots, *cache.data.shape[1:])
+        self.data = torch.empty(shape, dtype=cache.data.dtype, pin_memory=cuda)
+        self.scales = None
+        if cache.scales is not None:
+            shape = (self.num_slots, *cache.scales.shape[1:])
+            self.scales = torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+        self.stream = torch.cuda.Stream(cache.device) if cuda else None
+        self._pending: list[torch.cuda.Event] = []
+        self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> slot, oldest first
+        self._tokens: list[tuple[int, ...]] = [()] * self.num_slots
+        self._free = list(range(self.num_slots))
+        self._reserved: set[int] = set()  # hashes a running allocation is about to promote
+        self.hit_blocks = self.query_blocks = self.hit_tokens = 0
+        self.demotions = self.promotions = self.dropped = 0
+        self.bytes_demoted = self.bytes_promoted = 0
+        bm.on_evict = self.demote
+
+    # -- the pool ------------------------------------------------------------------------
+    @property
+    def num_used(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def _slot_for_new(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for h in self._lru:  # oldest first; reserved hashes are about to be read
+            if h not in self._reserved:
+                self._event(REMOVED, h)
+                return self._lru.pop(h)
+        return None
+
+    def _event(self, kind: str, block_hash: int) -> None:
+        """Tell the block manager's listener (the worker's KV events) about the host tier."""
+        if self.bm.event_sink is not None:
+            self.bm.event_sink(kind, block_hash, HOST_TIER)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the pool holds now (a KV-event listener's resync)."""
+        return list(self._lru)
+
+    def demote(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        """Copy a device block that is being evicted into the pool (BlockManager.on_evict)."""
+        if block_hash in self._lru:
+            self._lru.move_to_end(block_hash)
+            return
+        slot = self._slot_for_new()
+        if slot is None:
+            self.dropped += 1
+            return
+        self._copy(self.data[slot], self.cache.data[block_id], self.scales, self.cache.scales,
+                   slot, block_id, to_host=True)  # fmt: skip
+        self._lru[block_hash] = slot
+        self._tokens[slot] = token_ids
+        self._event(STORED, block_hash)
+        self.demotions += 1
+        self.bytes_demoted += self.block_bytes
+
+    def _copy(self, dst, src, dst_scales, src_scales, dst_i, src_i, to_host: bool) -> None:
+        """One block's bytes and scales; ordered against the compute stream (module doc)."""
+        if self.stream is None:
+            dst.copy_(src)
+            if src_scales is not None:
+                dst_scales[dst_i].copy_(src_scales[src_i])
+            return
+        compute = torch.cuda.current_stream(self.cache.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            if src_scales is not None:
+                dst_scales[dst_i].copy_(src_scales[src_i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        if to_host:
+            compute.wait_event(event)  # the block may be written before the next step
+        else:
+            self._pending.append(event)
+
+    def wait(self) -> None:
+        """Before a step: the compute stream waits for every promotion copied so far."""
+        if self._pending:
+            compute = torch.cuda.current_stream(self.cache.device)
+            for event in self._pending:
+                compute.wait_event(event)
+            self._pending.clear()
+
+    def synchronize(self) -> None:
+        """Host-side: every copy issued so far is done (tests, reading the pool)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    # -- admission -----------------------------------------------------------------------
+    def _match(self, token_ids: list[int], device_blocks: int) -> list[int]:
+        """Host slots of the chain's blocks after the first `device_blocks` (device hits); the
+        last prompt token is never served from cache, as on the device."""
+        bs, slots, prev = self.bm.block_size, [], None
+        limit = (len(token_ids) - 1) // bs
+        for i in range(limit):
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            prev = hash_block(prev, chunk)
+            if i < device_blocks:
+                continue
+            slot = self._lru.get(prev)
+            if slot is None or self._tokens[slot] != chunk:
+                break
+            self._lru.move_to_end(prev)
+            self._reserved.add(prev)
+            slots.append(slot)
+        if limit > device_blocks:
+            self.query_blocks += limit - device_blocks
+        return slots
+
+    def allocate(
+        self, token_ids: list[int], use_cache: bool = True, count: bool = True
+    ) -> tuple[list[int], int, int]:
+        """`BlockManager.allocate` continued into the pool: (block table, cached tokens on
+        either tier, cached tokens of the device alone — the blocks already committed)."""
+        if not use_cache or not self.bm.enable_prefix_caching:
+            table, cached = self.bm.allocate(token_ids, use_cache, count)
+            return table, cached, cached
+        device_blocks = self.bm.cached_prefix_tokens(token_ids) // self.bm.block_size
+        slots = self._match(token_ids, device_blocks)
+        try:
+            table, cached = self.bm.allocate(token_ids, use_cache, count)
+        finally:
+            self._reserved.clear()
+        for j, slot in enumerate(slots):
+            bid = table[device_blocks + j]
+            self._copy(self.cache.data[bid], self.data[slot], self.cache.scales, self.scales,
+                       bid, slot, to_host=False)  # fmt: skip
+        self.hit_blocks += len(slots)
+        self.promotions += len(slots)
+        self.bytes_promoted += len(slots) * self.block_bytes
+        hit = len(slots) * self.bm.block_size
+        if count:  # compute saved (BlockManager.allocate's rule for its own counters)
+            self.hit_tokens += hit
+        return table, cached + hit, cached
+
+    def stats(self) -> dict:
+        return {
+            "host_hit_tokens": self.hit_tokens,
+            "host_hit_blocks": self.hit_blocks,
+            "host_miss_blocks": self.query_blocks - self.hit_blocks,
+            "host_demotions": self.demotions,
+            "host_promotions": self.promotions,
+            "host_dropped": self.dropped,
+            "host_bytes_demoted": self.bytes_demoted,
+            "host_bytes_promoted": self.bytes_promoted,
+            "host_used_blocks": self.num_used,
+            "host_total_blocks": self.num_slots,
+        }
