@@ -27,6 +27,7 @@ from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
 from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
+from engine.models.parallel import check_tp_settings
 from engine.outputs import TokenOutput
 from engine.protocol import SamplingParams
 from engine.quantization import QUANTIZATIONS, resolve
@@ -103,23 +104,7 @@ class EngineConfig:
         check_role(self.role)
         parse_dtype(self.dtype)
         validate_quantization(self.quantization)
-        self._check_tp()
-
-    def _check_tp(self) -> None:
-        """What tensor parallelism does not support yet is refused here, by name."""
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if tp > 1 and self.role != COLOCATED:
-            raise ValueError(
-                f"tensor_parallel_size {tp} needs role {COLOCATED!r}: the KV hand-off between "
-                f"pools is not built for tensor-parallel workers (role {self.role!r})"
-            )
-        if tp > 1 and self.load_format == "dummy":
-            raise ValueError(
-                f"tensor_parallel_size {tp} needs a checkpoint: load_format 'dummy' draws "
-                "each rank's weights on their own, which would not be one model"
-            )
+        check_tp_settings(self.tensor_parallel_size, self.role, self.load_format)
 
 
 class LLMEngine:

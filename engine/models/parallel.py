@@ -126,6 +126,22 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
 
 
+def check_tp_settings(tp, role: str, load_format: str) -> None:
+    """EngineConfig's check: what tensor parallelism does not support yet is refused by name."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if tp > 1 and role != "colocated":
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs role 'colocated': the KV hand-off between "
+            f"pools is not built for tensor-parallel workers (role {role!r})"
+        )
+    if tp > 1 and load_format == "dummy":
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs a checkpoint: load_format 'dummy' draws "
+            "each rank's weights on their own, which would not be one model"
+        )
+
+
 class ShardedCheckpoint:
     """A checkpoint (`engine.loader`'s safetensors or GGUF reader) seen by one rank: `get`
     returns the rank's slice of each tensor, `scale_of` the matching slice of its FP8 scales."""

@@ -9,6 +9,7 @@ its end."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -198,8 +199,6 @@ def test_kv_heads_tp_cannot_split_are_refused(make_tiny_model):
     from engine.models.parallel import check_tp
 
     cfg = ModelConfig.from_pretrained(make_tiny_model("llama"))  # 4 heads, 2 KV heads
-    import dataclasses
-
     with pytest.raises(ValueError, match="must divide num_key_value_heads"):
         check_tp(dataclasses.replace(cfg, num_heads=6, num_kv_heads=3), 2)
     with pytest.raises(ValueError, match="must be a multiple of it"):
