@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -265,12 +266,12 @@ def _worker_model(spec: dict, group: ProcessGroup, store):
     from engine.attention import select_backend
     from engine.config import ModelConfig, parse_dtype
     from engine.kv_cache import KVCache, KVCacheSpec
-    from engine.llm_engine import EngineConfig
     from engine.loader import build_model
     from engine.models.parallel import Shard
     from engine.quantization import resolve
 
-    config = EngineConfig(**spec["config"])
+    # Rank 0's EngineConfig as its fields (checked there; importing it here would cycle).
+    config = SimpleNamespace(**spec["config"])
     mc = ModelConfig.from_pretrained(config.model)
     shard = Shard.of(mc, spec["rank"], spec["size"])
     dtype, device = parse_dtype(config.dtype), group.device
