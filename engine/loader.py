@@ -181,10 +181,12 @@ def _hf_names(model: CausalLM) -> list[str]:
     return sorted(names)
 
 
-def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack):
-    """The weights at `path` by transformers name: a GGUF file or safetensors files."""
+def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack, cfg=None):
+    """The weights at `path` by transformers name: a GGUF file or safetensors files. `cfg`:
+    the whole model's config when `model` is one rank's (its head counts undo GGUF's q/k
+    row order on the whole tensors)."""
     if is_gguf(path):
-        cfg = model.cfg
+        cfg = cfg or model.cfg
         return GGUFCheckpoint(path, _hf_names(model), cfg.num_heads, cfg.num_kv_heads)
     return _Checkpoint(path, stack)
 
@@ -204,7 +206,7 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
     expected |= set(fp8_layers)
     loaded: set[str] = set()
     with contextlib.ExitStack() as stack, torch.no_grad():
-        files = _open_checkpoint(model, path, stack)
+        files = _open_checkpoint(model, path, stack, None if shard is None else shard.cfg)
         if shard is not None:
             from engine.models.parallel import ShardedCheckpoint
 

@@ -225,3 +225,19 @@ def test_killed_rank_is_a_clear_error_and_leaves_no_process(make_tiny_model):
     finally:
         llm.engine.shutdown()
     assert _reaped(tp) and not _children() & {p.pid for p in tp.procs}
+
+
+def test_gguf_tp2_matches_hf(make_tiny_model, tmp_path):
+    """A GGUF file read per rank: llama's q/k rows are put back in rotate-half order with the
+    whole model's head counts before a rank takes its slice."""
+    from gguf_writer import write_gguf
+
+    src = make_tiny_model("llama")
+    path = write_gguf(src, tmp_path / "llama.gguf", "F32")
+    llm = LLM(str(path), tensor_parallel_size=2, **SETTINGS)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        for p, o in zip(_prompts(), llm.generate(_prompts(), params), strict=True):
+            assert o.token_ids == _hf_greedy(src, p)
+    finally:
+        llm.engine.shutdown()
