@@ -28,6 +28,7 @@ from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.kv_host_cache import HostKVCache
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
+from engine.models.parallel import check_tp_settings
 from engine.outputs import TokenOutput
 from engine.protocol import SamplingParams
 from engine.quantization import QUANTIZATIONS, resolve
@@ -89,6 +90,9 @@ class EngineConfig:
     seed: int = setting(0, "seed for dummy weights and sampling")
     device: str | None = setting(None, "torch device (default: cuda when present)", cli=False)
     role: str = setting(COLOCATED, "colocated, prefill or decode", cli=False)
+    tensor_parallel_size: int = setting(
+        1, "ranks sharing the model's weights and KV heads (engine.distributed)", cli=False
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -106,6 +110,7 @@ class EngineConfig:
         check_role(self.role)
         parse_dtype(self.dtype)
         validate_quantization(self.quantization)
+        check_tp_settings(self.tensor_parallel_size, self.role, self.load_format)
 
 
 class LLMEngine:
@@ -122,13 +127,36 @@ class LLMEngine:
         # The layout the weights get ("none", "int8", "fp8", "fp8-weight-only").
         fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
         self.quantization = resolve(config.quantization, fp8_checkpoint, self.device)
+        self.tp, shard = None, None
+        if config.tensor_parallel_size > 1:
+            from engine.distributed import TPGroup
+            from engine.models.parallel import Shard
+
+            shard = Shard.of(mc, 0, config.tensor_parallel_size)  # refuses before spawning
+            self.tp = TPGroup(config, config.tensor_parallel_size, self.device)
+        try:
+            self._build(config, mc, shard)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.seqs: dict[str, Sequence] = {}
+        # Request id -> the keys of its choices 1..n-1 once forked (n > 1).
+        self.groups: dict[str, list[str]] = {}
+        self._grammars = None  # engine.structured.GrammarCompiler, on first use
+        self.num_steps = 0
+        self.kv_connector: KVConnector | None = None
+
+    def _build(self, config: EngineConfig, mc: ModelConfig, shard) -> None:
+        """The model (this rank's shard with TP), KV cache, scheduler, backend and runner."""
+        group = None if self.tp is None else self.tp.group
         self.model = build_model(
-            mc, self.dtype, self.device, config.load_format, config.seed, self.quantization
-        )
+            mc, self.dtype, self.device, config.load_format, config.seed, self.quantization,
+            shard, group,
+        )  # fmt: skip
         self.kv_spec = KVCacheSpec(
             model=mc.architecture,
             num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=mc.num_kv_heads if shard is None else shard.num_kv_heads,
             head_dim=mc.head_dim,
             block_size=config.block_size,
             dtype=self.dtype,
@@ -157,17 +185,23 @@ class LLMEngine:
             mc.sliding_window,
             config.kv_dtype,
         )
-        self.runner = ModelRunner(
-            self.model, self.cache, self.backend, self.device, config.seed, mc.eos_token_ids
-        )
-        if self.device.type == "cuda" and not config.enforce_eager:
+        args = (self.model, self.cache, self.backend, self.device, config.seed, mc.eos_token_ids)
+        if self.tp is None:
+            self.runner = ModelRunner(*args)
+        else:
+            from engine.distributed import TPModelRunner
+
+            self.runner = TPModelRunner(self.tp, *args)
+            self.tp.finish_start(num_blocks)
+        # Not under TP: capturing the all-reduces in graphs is not built (decode runs eagerly).
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp is None:
             self._capture_graphs()
-        self.seqs: dict[str, Sequence] = {}
-        # Request id -> the keys of its choices 1..n-1 once forked (n > 1).
-        self.groups: dict[str, list[str]] = {}
-        self._grammars = None  # engine.structured.GrammarCompiler, on first use
-        self.num_steps = 0
-        self.kv_connector: KVConnector | None = None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do without TP); the engine cannot step
+        afterwards. Idempotent."""
+        if self.tp is not None:
+            self.tp.close()
 
     def _capture_graphs(self) -> None:
         """Decode steps as CUDA graphs, when the attention backend can be captured."""

@@ -39,23 +39,31 @@ def build_model(
     load_format: str,
     seed: int,
     quantization: str = "none",
+    shard=None,
+    group=None,
 ) -> CausalLM:
     """The model with its weights, its decoder projections in the layout `quantization` (one
     of engine.quantization.RESOLVED) names: an FP8 checkpoint's layers are filled with its own
-    FP8 weights and scales; full weights are quantized after loading."""
+    FP8 weights and scales; full weights are quantized after loading. With `shard` (an
+    engine.models.parallel.Shard) only that rank's slices are built and read, and the
+    row-parallel projections all-reduce over `group`."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device(device), _default_dtype(dtype):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg if shard is None else shard.local_config())
+    if shard is not None:
+        from engine.models.parallel import make_row_parallel
+
+        make_row_parallel(model, group)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
         model.quantize(quantization)
     elif cfg.fp8_checkpoint is not None:
         # The checkpoint's layout: its FP8 layers, and the layers it ignores stay full.
         prepare_fp8_layers(model, cfg.fp8_checkpoint, activations=quantization == "fp8")
-        load_weights(model, cfg.path)
+        load_weights(model, cfg.path, shard)
     else:
-        load_weights(model, cfg.path)
+        load_weights(model, cfg.path, shard)
         model.quantize(quantization)
     return model.eval().requires_grad_(False)
 
@@ -150,6 +158,10 @@ class _Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self.files[self.where[name]].get_tensor(name)
 
+    def scale_of(self, ckpt: FP8Checkpoint, scale_name: str, hf_name: str, n: int, k: int):
+        """The scales `scale_name` of the [n, k] weight `hf_name`, as the FP8 layers hold them."""
+        return ckpt.scale_rows(self.get(scale_name), scale_name, n, k)
+
 
 def _fused_of(model: CausalLM, name: str) -> str | None:
     """The fused module (`qkv_proj`, `gate_up_proj`) a parameter name belongs to, if any."""
@@ -169,17 +181,20 @@ def _hf_names(model: CausalLM) -> list[str]:
     return sorted(names)
 
 
-def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack):
-    """The weights at `path` by transformers name: a GGUF file or safetensors files."""
+def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack, cfg=None):
+    """The weights at `path` by transformers name: a GGUF file or safetensors files. `cfg`:
+    the whole model's config when `model` is one rank's (its head counts undo GGUF's q/k
+    row order on the whole tensors)."""
     if is_gguf(path):
-        cfg = model.cfg
+        cfg = cfg or model.cfg
         return GGUFCheckpoint(path, _hf_names(model), cfg.num_heads, cfg.num_kv_heads)
     return _Checkpoint(path, stack)
 
 
-def load_weights(model: CausalLM, path: str) -> None:
+def load_weights(model: CausalLM, path: str, shard=None) -> None:
     """Fill `model` from the checkpoint at `path` (safetensors files or a GGUF file); every
-    weight it expects must be there, every tensor there must be one it has."""
+    weight it expects must be there, every tensor there must be one it has. With `shard`,
+    every tensor is read as that rank's slice (engine.models.parallel.ShardedCheckpoint)."""
     ckpt = model.cfg.fp8_checkpoint
     params = dict(model.named_parameters(remove_duplicate=False))
     fp8_layers = {
@@ -191,7 +206,11 @@ def load_weights(model: CausalLM, path: str) -> None:
     expected |= set(fp8_layers)
     loaded: set[str] = set()
     with contextlib.ExitStack() as stack, torch.no_grad():
-        files = _open_checkpoint(model, path, stack)
+        files = _open_checkpoint(model, path, stack, None if shard is None else shard.cfg)
+        if shard is not None:
+            from engine.models.parallel import ShardedCheckpoint
+
+            files = ShardedCheckpoint(files, shard)
         names = [n for n in files.where if not n.endswith(_SCALE_SUFFIXES)]
         for hf_name in tqdm(names, desc="loading weights", unit="tensor"):
             if "rotary_emb.inv_freq" in hf_name:
@@ -248,7 +267,7 @@ def _full_tensor(files: _Checkpoint, hf_name: str, ckpt: FP8Checkpoint | None) -
         raise ValueError(f"{hf_name} is {tensor.dtype} but config.json has no quantization_config")
     scale_name = _scale_of(files, hf_name, ckpt, ckpt.scale_suffix)
     n, k = tensor.shape
-    scale = ckpt.scale_rows(files.get(scale_name), scale_name, n, k)
+    scale = files.scale_of(ckpt, scale_name, hf_name, n, k)
     return fp8.dequantize_fp8(tensor, scale, ckpt.block_k)
 
 
@@ -264,7 +283,7 @@ def _load_fp8_part(model, mod: Linear, name, idx, hf_name: str, files: _Checkpoi
     dst.copy_(tensor)
     scale_name = _scale_of(files, hf_name, ckpt, ckpt.scale_suffix)
     n, k = tensor.shape
-    mod.wscale[rows] = ckpt.scale_rows(files.get(scale_name), scale_name, n, k)
+    mod.wscale[rows] = files.scale_of(ckpt, scale_name, hf_name, n, k)
     if mod.input_scale is not None:
         # One scale for the fused input: the largest of its parts' (no part saturates).
         input_name = _scale_of(files, hf_name, ckpt, "input_scale")

@@ -46,19 +46,27 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_fp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q e4m3 [N, K], scale fp32 [N]) per output channel: w ~= q * scale[:, None]."""
-    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=_MIN_SCALE)
+def quantize_fp8_weight(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 [N, K], scale fp32 [N]) per output channel: w ~= q * scale[:, None]. `amax`
+    [N]: the whole rows' largest |w| when `w` holds only some columns (a row-parallel shard)."""
+    amax = w.float().abs().amax(dim=1) if amax is None else amax
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
     return to_fp8(w, scale[:, None]).contiguous(), scale.contiguous()
 
 
-def quantize_fp8_tokens(x: torch.Tensor, block_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_tokens(
+    x: torch.Tensor, block_k: int = 0, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic activation quantization of x [M, K]: (q e4m3 [M, K], scale fp32 [M, G]) with one
-    scale per token (G = 1) or, with `block_k`, per token and block of `block_k` columns."""
+    scale per token (G = 1) or, with `block_k`, per token and block of `block_k` columns.
+    `amax` [M, 1] (per token only): the whole tokens' largest |x| when x holds some columns."""
     m, k = x.shape
     xf = x.float()
     if not block_k:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+        amax = xf.abs().amax(dim=1, keepdim=True) if amax is None else amax
+        scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
         return to_fp8(xf, scale), scale
     groups = -(-k // block_k)
     pad = groups * block_k - k

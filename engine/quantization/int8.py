@@ -17,11 +17,16 @@ from __future__ import annotations
 import torch
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]."""
+def quantize_int8(
+    w: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale fp32 [N]) with w ~= q * scale[:, None]. `amax` [N]: each row's
+    largest |w| when `w` is only some of the row's columns (a row-parallel shard, whose scale
+    must be the whole row's, engine.models.parallel); default: w's own."""
     wf = w.float()
+    amax = wf.abs().amax(dim=1) if amax is None else amax
     # The clamp keeps an all-zero row from dividing by zero (its q is then all zeros).
-    scale = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    scale = (amax / 127.0).clamp(min=1e-12)
     q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
 

@@ -1,0 +1,339 @@
+"""Tensor parallelism inside one engine: its process group, the ranks rank 0 starts, and the
+per-step plan they receive.
+
+Rank 0 is the engine (scheduler, sampler, sockets); ranks 1..N-1 are processes it starts with
+their own entry point (`python -m engine.distributed '<json>'`: the settings travel as JSON on
+the command line, nothing is pickled). They meet at a TCPStore rank 0 opens on 127.0.0.1 and
+form one process group, private to this engine (gloo on CPU, NCCL on CUDA; never the global
+default group, so two engines in one process do not collide). Each rank loads only its shard
+(engine.models.parallel) and holds a KV cache of its own KV heads, with the same block ids.
+
+Each step rank 0 broadcasts the plan as plain int64 tensors: a 2-value header (command,
+payload length), then the payload (`encode_step`: token ids, positions, slots, the attention
+metadata, block tables, and the block copies a fork made since the last step); every rank runs
+the forward pass (the row-parallel projections all-reduce), and rank 0 alone computes logits
+and samples. A worker waits for the header without a deadline (an engine may idle for hours);
+the payload and the all-reduces have `COLLECTIVE_TIMEOUT_S`.
+
+Failure: before each step rank 0 checks that every rank's process is alive, and a failed
+collective is reported the same way: `TPError` naming the rank and its exit status; the engine
+then refuses further steps. Workers die with rank 0 (PR_SET_PDEATHSIG) and exit when its
+connection closes; `TPGroup.close` (LLMEngine.shutdown, and at exit) stops them, and kills
+any that do not stop within `STOP_TIMEOUT_S`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from engine.model_runner import AttentionMetadata, ModelRunner, forward_context
+
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))
+START_TIMEOUT_S = 600.0  # a rank loads its shard within this
+STOP_TIMEOUT_S = 10.0
+IDLE = timedelta(days=365)  # a worker's wait for the next step's header
+STEP, STOP = 1, 0
+_HEADER = 6  # n tokens, seqs, table width, decode seqs, prefill seqs, block copies
+
+
+class TPError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the engine cannot step any more."""
+
+
+class ProcessGroup:
+    """This engine's group: gloo (CPU) or NCCL (CUDA), with broadcast and all-reduce."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device):
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        self.rank, self.size, self.device = rank, size, device
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def broadcast(self, t: torch.Tensor, timeout: timedelta | None = None) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        if timeout is not None:
+            opts.timeout = timeout
+        self.pg.broadcast([t], opts).wait()
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        if t.device.type == "cpu" and t.dtype not in (torch.float32, torch.float64):
+            # gloo sums in the tensor's dtype; in fp32 the sum of two bf16 values rounds once,
+            # as a bf16 add does.
+            wide = t.float()
+            self.pg.allreduce([wide], opts).wait()
+            t.copy_(wide)
+            return
+        self.pg.allreduce([t], opts).wait()
+
+
+def encode_step(ids, positions, meta: AttentionMetadata, copies: list[int]) -> torch.Tensor:
+    """One step as one int64 tensor (see `decode_step`)."""
+    tables = meta.block_tables
+    head = [ids.shape[0], len(meta.query_start) - 1, tables.shape[1], meta.decode_idx.shape[0]]
+    head += [len(meta.prefill_idx), len(copies) // 2]
+    lists = meta.query_start + meta.num_computed + meta.context_lens + meta.prefill_idx + copies
+    parts = [ids, positions, meta.slot_mapping, meta.decode_idx, meta.decode_context_lens]
+    parts = [torch.tensor(head + lists, dtype=torch.int64)] + [p.cpu() for p in parts]
+    return torch.cat(parts + [tables.cpu().reshape(-1)])
+
+
+def decode_step(flat: torch.Tensor, device: torch.device):
+    """(ids, positions, AttentionMetadata, block copies [(src, dst)]) from `encode_step`."""
+    n, s, width, d, p, c = flat[:_HEADER].tolist()
+    at = _HEADER
+    lists = flat[at : at + 3 * s + 1 + p + 2 * c].tolist()
+    at += len(lists)
+    qs, nc, cl = lists[: s + 1], lists[s + 1 : 2 * s + 1], lists[2 * s + 1 : 3 * s + 1]
+    prefill_idx, copies = lists[3 * s + 1 : 3 * s + 1 + p], lists[3 * s + 1 + p :]
+    rest = flat[at:].to(device)
+    cuts = [0, n, 2 * n, 3 * n, 3 * n + d, 3 * n + 2 * d]
+    part = [rest[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    meta = AttentionMetadata(
+        slot_mapping=part[2],
+        query_start=qs,
+        num_computed=nc,
+        context_lens=cl,
+        block_tables=rest[cuts[-1] :].view(s, width),
+        decode_idx=part[3],
+        prefill_idx=prefill_idx,
+        decode_context_lens=part[4],
+    )
+    return part[0], part[1], meta, list(zip(copies[::2], copies[1::2], strict=True))
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the thread that started it exits."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class TPGroup:
+    """Rank 0's side: the worker processes, the store and the group."""
+
+    def __init__(self, config, size: int, device: torch.device):
+        self.size, self.device, self.broken, self.started = size, device, None, False
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, size, True, timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
+        )
+        settings = dataclasses.asdict(config)
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            spec = {"config": settings, "rank": rank, "size": size, "port": self.store.port}
+            spec["parent"] = os.getpid()
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "engine.distributed", json.dumps(spec)],
+                    preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                )
+            )
+        atexit.register(self.close)
+        try:
+            self._wait_for("up")
+            self.group = ProcessGroup(self.store, 0, size, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for(self, key: str) -> None:
+        """Until every worker has set `key{rank}` in the store; TPError if one exits first."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        keys = [f"{key}{r}" for r in range(1, self.size)]
+        while not self.store.check(keys):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TPError(f"tensor-parallel ranks not {key} after {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.02)
+
+    def finish_start(self, num_blocks: int) -> None:
+        """Tell the workers the KV block count and wait until each has its model and cache."""
+        self.store.set("num_blocks", str(num_blocks))
+        try:
+            self._wait_for("ready")
+            self.started = True
+        except BaseException:
+            self.close()
+            raise
+
+    def check_alive(self) -> None:
+        if self.broken is not None:
+            raise TPError(f"tensor-parallel group is down: {self.broken}")
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                self.broken = f"rank {rank} (pid {proc.pid}) exited with status {code}"
+                raise TPError(f"tensor-parallel group is down: {self.broken}")
+
+    def send_step(self, flat: torch.Tensor) -> None:
+        self.check_alive()
+        header = torch.tensor([STEP, flat.numel()], dtype=torch.int64)
+        try:
+            self.group.broadcast(header.to(self.device))
+            self.group.broadcast(flat.to(self.device))
+        except RuntimeError as e:
+            self.failed(e)
+
+    def failed(self, e: BaseException):
+        """Raise TPError for a failed collective, naming a dead rank when there is one."""
+        time.sleep(0.1)  # let a rank that just died be reaped
+        try:
+            self.check_alive()
+        except TPError as dead:
+            raise dead from e
+        self.broken = f"collective failed: {e}"
+        raise TPError(f"tensor-parallel group is down: {self.broken}") from e
+
+    def close(self) -> None:
+        """Stop every worker (a STOP header, then SIGKILL after STOP_TIMEOUT_S; a group that
+        never finished starting is killed at once: its ranks may be inside a collective of
+        the load); idempotent."""
+        atexit.unregister(self.close)
+        alive = all(p.poll() is None for p in self.procs)
+        if self.started and self.broken is None and alive:
+            try:
+                self.group.broadcast(torch.tensor([STOP, 0], dtype=torch.int64).to(self.device))
+            except RuntimeError:
+                pass
+        self.broken = self.broken or "closed"
+        deadline = time.monotonic() + (STOP_TIMEOUT_S if self.started else 0.0)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0's runner: each step's plan goes to the other ranks before the forward pass."""
+
+    def __init__(self, tp: TPGroup, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tp = tp
+        self.copies: list[int] = []
+        copy_block = self.cache.copy_block
+
+        def copy_and_record(src: int, dst: int) -> None:
+            copy_block(src, dst)
+            self.copies += [src, dst]  # the other ranks copy their heads' KV next step
+
+        self.cache.copy_block = copy_and_record
+
+    def prepare(self, plan):
+        ids, positions, meta = super().prepare(plan)
+        flat = encode_step(ids, positions, meta, self.copies)
+        self.copies = []
+        self.tp.send_step(flat)
+        return ids, positions, meta
+
+    def execute(self, plan):
+        try:
+            return super().execute(plan)
+        except TPError:
+            raise
+        except RuntimeError as e:
+            if _is_collective_error(e):
+                self.tp.failed(e)
+            raise
+
+
+def _is_collective_error(e: BaseException) -> bool:
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "connection", "timed out", "timeout"))
+
+
+def _worker_model(spec: dict, group: ProcessGroup, store):
+    """This rank's model, KV cache and attention backend, built as LLMEngine builds rank 0's."""
+    from engine.attention import select_backend
+    from engine.config import ModelConfig, parse_dtype
+    from engine.kv_cache import KVCache, KVCacheSpec
+    from engine.loader import build_model
+    from engine.models.parallel import Shard
+    from engine.quantization import resolve
+
+    # Rank 0's EngineConfig as its fields (checked there; importing it here would cycle).
+    config = SimpleNamespace(**spec["config"])
+    mc = ModelConfig.from_pretrained(config.model)
+    shard = Shard.of(mc, spec["rank"], spec["size"])
+    dtype, device = parse_dtype(config.dtype), group.device
+    torch.manual_seed(config.seed)
+    fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
+    method = resolve(config.quantization, fp8_checkpoint, device)
+    model = build_model(mc, dtype, device, config.load_format, config.seed, method, shard, group)
+    kv_spec = KVCacheSpec(
+        model=mc.architecture,
+        num_layers=mc.num_layers,
+        num_kv_heads=shard.num_kv_heads,
+        head_dim=mc.head_dim,
+        block_size=config.block_size,
+        dtype=dtype,
+        kv_dtype=config.kv_dtype,
+    )
+    cache = KVCache(kv_spec, int(store.get("num_blocks")), device)
+    backend = select_backend(
+        config.attention_backend, device, mc.head_dim**-0.5, mc.sliding_window, config.kv_dtype
+    )
+    return model, cache, backend
+
+
+@torch.inference_mode()
+def _serve(group: ProcessGroup, model, cache, backend) -> None:
+    """Run every step rank 0 broadcasts until it says STOP."""
+    header = torch.zeros(2, dtype=torch.int64, device=group.device)
+    while True:
+        group.broadcast(header, timeout=IDLE)
+        command, size = header.tolist()
+        if command == STOP:
+            return
+        flat = torch.empty(size, dtype=torch.int64, device=group.device)
+        group.broadcast(flat)
+        ids, positions, meta, copies = decode_step(flat.cpu(), group.device)
+        for src, dst in copies:
+            cache.copy_block(src, dst)
+        with forward_context(meta):
+            model(ids, positions, cache, backend)
+
+
+def worker_main(argv: list[str]) -> int:
+    """Entry point of ranks 1..N-1: `python -m engine.distributed '<json spec>'`."""
+    spec = json.loads(argv[0])
+    if os.getppid() != spec["parent"]:
+        return 1  # rank 0 died before we were set up
+    rank, size = spec["rank"], spec["size"]
+    device_name = spec["config"].get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    store = dist.TCPStore(
+        "127.0.0.1", spec["port"], size, False, timedelta(seconds=START_TIMEOUT_S)
+    )
+    store.set(f"up{rank}", "1")
+    group = ProcessGroup(store, rank, size, device)
+    model, cache, backend = _worker_model(spec, group, store)
+    store.set(f"ready{rank}", "1")
+    _serve(group, model, cache, backend)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1:]))
