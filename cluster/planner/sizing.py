@@ -57,10 +57,21 @@ class Targets:
     disagg_threshold: int = 0
     arrival_scv: float = 1.0
     tpot_tail_share: float = 0.05
+    # The share of a window's excess a pool must carry as it comes (demand.queue_share): 1
+    # for a tight target; less where requests may queue within their TTFT target, which
+    # then also absorbs the rate's error that the utilisation headroom is kept for.
+    queue_share: float = 1.0
+    # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms's rule).
+    ttft_per_1k_s: float = 0.0
 
     @property
     def ttft_goal(self) -> float:
         return self.slo_ttft_s * (1 - self.headroom)
+
+    def ttft_goal_for(self, prompt_tokens: float) -> float:
+        """The TTFT goal of a prompt of this many tokens: its target (the base plus the
+        per-1k allowance) less the headroom."""
+        return (self.slo_ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000) * (1 - self.headroom)
 
     @property
     def tpot_goal(self) -> float:
@@ -68,7 +79,7 @@ class Targets:
 
     @property
     def max_utilisation(self) -> float:
-        return 1 - self.headroom
+        return 1 - self.headroom * self.queue_share
 
 
 @dataclass(slots=True, frozen=True)
@@ -289,12 +300,15 @@ def size_prefill(
     # With no queueing and no other prompt, the p90 prompt still takes its own step.
     floor = profile.request_overhead_s + load.correction * profile.prefill_s(load.p90_tokens)
     by_ttft, met, note = None, True, ""
-    if floor > targets.ttft_goal:
+    # The p90 prompt's own target (its length's allowance counted on its uncached tokens:
+    # the cautious side when the cache hits).
+    goal = targets.ttft_goal_for(load.p90_tokens)
+    if floor > goal:
         by_ttft, met = math.ceil(need_tput), False
         note = f"the p90 prompt alone takes {_ms(floor)} > the target: sized for throughput"
     else:
         for n in range(max(lo, 1, math.ceil(need_tput)), hi + 1):
-            if prefill_ttft_p90(profile, load, n, targets) <= targets.ttft_goal:
+            if prefill_ttft_p90(profile, load, n, targets) <= goal:
                 by_ttft = n
                 break
     capped = by_ttft is None
@@ -309,7 +323,7 @@ def size_prefill(
     cause = "backlog" if by_backlog > by_ttft and workers > lo else "demand"
     cause = "bounds" if capped else cause
     ttft = prefill_ttft_p90(profile, load, workers, targets)
-    return PrefillPlan(workers, cause, load, ttft, met and ttft <= targets.ttft_goal, note)
+    return PrefillPlan(workers, cause, load, ttft, met and ttft <= goal, note)
 
 
 def burst_prefill_workers(
