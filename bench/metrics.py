@@ -14,8 +14,9 @@ Definitions (the same as vLLM's benchmark_serving):
   after the first (`spread_tokens`).
 - Percentiles: numpy's linear interpolation. Latencies are reported in milliseconds.
 - Goodput: completed requests meeting every given SLO (TTFT <= slo_ttft_ms plus
-  slo_ttft_ms_per_1k per 1k prompt tokens, TPOT <= slo_tpot_ms, E2E <= slo_e2el_ms) per second of benchmark duration; with no SLO it is the
-  request throughput. (bench/vllm_compat.py gives vLLM's result keys from the same records.)
+  slo_ttft_ms_per_1k per 1k prompt tokens, TPOT <= slo_tpot_ms, E2E <= slo_e2el_ms) per
+  second of benchmark duration; with no SLO it is the request throughput.
+  (bench/vllm_compat.py gives vLLM's result keys from the same records.)
 - Failed requests are counted, never enter a latency statistic or a throughput.
 """
 

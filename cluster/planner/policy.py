@@ -417,10 +417,9 @@ class Planner:
         wl = self.demand.last_window_workload() or self.demand.workload(window.arrival_rate)
         targets = self.targets
         evidence: dict[str, float | None] = {PREFILL_POOL: None, DECODE_POOL: None}
-        if (
-            self._fair(PREFILL_POOL, now, pools, window.ttft.count, window)
-            and not self._far_under_loose_target(window.ttft.p90)
-        ):
+        if self._fair(
+            PREFILL_POOL, now, pools, window.ttft.count, window
+        ) and not self._far_under_loose_target(window.ttft.p90):
             ready = pools.ready.get(PREFILL_POOL, 0)
             evidence[PREFILL_POOL] = solve_prefill(
                 self.profile, wl, targets, ready, window.ttft.p90
