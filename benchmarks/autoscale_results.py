@@ -52,7 +52,6 @@ TRACES = {
     "mc-conv": ("benchmarks/traces/mooncake_conversation_20min.jsonl.gz", 1, 30000.0, 100.0),
     "mc-synth": ("benchmarks/traces/mooncake_synthetic.jsonl.gz", 1, 30000.0, 100.0),
 }
-DIRECTION_WINDOW_S = 600.0
 ADAPTIVE = ("planner", "dynamo", "threshold")
 FORESIGHT_UTILISATION = (1.0, 0.9, 0.8)
 
@@ -165,7 +164,7 @@ def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
             results["colocated@0.99"] = colo.best_result
     rows = summarize(results, sweeps, profile.gpus_per_worker)
     for row, r in zip(rows, results.values(), strict=True):
-        row["direction_changes"] = direction_changes(r)
+        row["direction_changes"] = report.direction_changes(r)
     plots = write_plots(name, results, out)
     return {
         "trace": TRACES[name][0],
@@ -190,30 +189,6 @@ def peak_over_mean(requests: list[SimRequest]) -> float:
         )
     minutes = max(per_minute) + 1
     return max(per_minute.values()) / (sum(per_minute.values()) / minutes)
-
-
-def direction_changes(r: SimResult) -> dict[str, int]:
-    """Per pool: how often its provisioned size (ready + starting) turned from growing to
-    shrinking or back, in all and at most within any DIRECTION_WINDOW_S (oscillation)."""
-    out: dict[str, int] = {}
-    sizes: dict[str, list[tuple[float, int]]] = {}
-    for t, pool, ready, starting, _ in r.timeline:
-        sizes.setdefault(pool, []).append((t, ready + starting))
-    for pool, series in sizes.items():
-        turns, last_dir, prev = [], 0, None
-        for t, n in series:
-            if prev is not None and n != prev:
-                d = 1 if n > prev else -1
-                if last_dir and d != last_dir:
-                    turns.append(t)
-                last_dir = d
-            prev = n
-        most = max(
-            (sum(1 for u in turns if t <= u < t + DIRECTION_WINDOW_S) for t in turns), default=0
-        )
-        out[pool] = len(turns)
-        out[f"{pool}_max_per_10min"] = most
-    return out
 
 
 def foresight_bound(requests, profile, sim, args, decode: int) -> SimResult:

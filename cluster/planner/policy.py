@@ -217,15 +217,17 @@ class Planner:
     def _rate_plans(
         self, queued_wl: Workload, pools: PoolCounts, corr: Corrections, prefer_local: bool
     ) -> tuple[Workload, dict[str, PoolPlan], dict[str, PoolPlan]]:
-        """(the scale-up workload, the up plan per pool, the down plan per pool). The prefill
-        pool is sized at the rate averaged over its queue room (`_queue_room_s`: a loose TTFT
-        target lets a burst queue and drain), the decode pool at the window's own rate (a
-        sequence waiting for a slot stretches its TPOT: no room)."""
-        room = self._queue_room_s(queued_wl, corr)
-        share = queue_share(self.config.interval_s, room)
+        """(the scale-up workload, the up plan per pool, the down plan per pool). Each pool is
+        sized at the rate averaged over its queue room (`_queue_room_s`, `_decode_room_s`: a
+        loose target lets a burst queue and drain), its own plan taken from that sizing."""
+        rooms = {
+            PREFILL_POOL: self._queue_room_s(queued_wl, corr),
+            DECODE_POOL: self._decode_room_s(queued_wl, corr, prefer_local),
+        }
         up, down = {}, {}
-        for pool, room_s in ((PREFILL_POOL, room), (DECODE_POOL, 0.0)):
-            targets = replace(self.targets, queue_share=share if room_s else 1.0)
+        for pool, room_s in rooms.items():
+            share = queue_share(self.config.interval_s, room_s)
+            targets = replace(self.targets, queue_share=share)
             wl = self._residual_backlog(
                 self.demand.workload(self.demand.up_rate(room_s)), pools, corr
             )
@@ -242,6 +244,19 @@ class Planner:
             if pool == DECODE_POOL:
                 up_wl = wl
         return up_wl, up, down
+
+    def _decode_room_s(self, wl: Workload, corr: Corrections, prefer_local: bool) -> float:
+        """Seconds a sequence may wait for a decode slot within the TPOT target: the wait is
+        spread over its answer's tokens, so an answer of n tokens whose steps take s can wait
+        (goal - s) (n - 1); the short answers (the 10th percentile) bound it. 0 when the
+        steps already reach the goal, or while decode workers prefill locally (a wait there
+        delays first tokens)."""
+        plan = self._plan(wl, corr, prefer_local)
+        step = plan.decode.tpot_p50_s
+        if plan.local_only or plan.decode.load.local_rate > 0 or not math.isfinite(step):
+            return 0.0
+        short = max(0.0, wl.outputs.quantile(0.1) - 1)
+        return max(0.0, self.targets.tpot_goal - step) * short
 
     def _queue_room_s(self, wl: Workload, corr: Corrections) -> float:
         """Seconds a prompt may wait in a prefill queue within the TTFT target: the goal less
@@ -514,7 +529,8 @@ def _explain(pool: str, plan: PoolPlan, targets: Targets) -> tuple[str, str]:
         text = (
             f"{_tok(load.tokens_per_s)} prompt tok/s forecast + {_tok(load.backlog_tokens)} "
             f"queued tokens need {pre.workers} workers at {_tok(load.mu)} tok/s each for "
-            f"TTFT p90 <= {_ms(targets.slo_ttft_s)} (predicted {_ms(pre.ttft_p90_s)})"
+            f"TTFT p90 <= {_ms(targets.slo_ttft_s)}{_per_1k(targets)} "
+            f"(predicted {_ms(pre.ttft_p90_s)})"
         )
         return pre.cause, text + (f"; {pre.note}" if pre.note else "")
     dec = plan.decode
@@ -529,6 +545,10 @@ def _explain(pool: str, plan: PoolPlan, targets: Targets) -> tuple[str, str]:
         busy = load.local_work / max(dec.workers, 1)
         text += f", {busy:.0%} of their time prefilling {load.local_rate:.1f} prompts/s"
     return dec.cause, text + (f"; {dec.note}" if dec.note else "")
+
+
+def _per_1k(targets: Targets) -> str:
+    return f" + {_ms(targets.ttft_per_1k_s)} per 1k tokens" if targets.ttft_per_1k_s else ""
 
 
 def _workers(plan: PoolPlan, pool: str) -> int:
