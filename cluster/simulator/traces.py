@@ -2,8 +2,9 @@
 prompt's block hash ids where the trace has them).
 
 Three formats (any of them gzip-compressed, `.gz`):
-- the Azure LLM inference trace CSVs, 2023 and 2024 (`TIMESTAMP`, `ContextTokens`,
-  `GeneratedTokens`; `../shared/traces/*.csv`), read by `bench.traces`;
+- the Azure LLM inference trace CSVs (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`;
+  `../shared/traces/*.csv`; 2024's assumed to keep these columns, unchecked), read by
+  `bench.traces`;
 - BurstGPT's CSV (`Timestamp` in seconds, `Request tokens`, `Response tokens`);
 - the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
   `input_length`, `output_length` and `hash_ids` (one id per `BLOCK_TOKENS`-token block of the
@@ -62,7 +63,7 @@ def detect_format(path: str | Path) -> str:
     if suffixes[-1:] == [".gz"]:
         suffixes.pop()
     suffix = suffixes[-1] if suffixes else ""
-    if suffix == ".csv":  # Azure (2023 and 2024 alike) unless the header is BurstGPT's
+    if suffix == ".csv":  # Azure unless the header is BurstGPT's
         try:
             with open_text(path) as f:
                 header = f.readline()
