@@ -392,13 +392,17 @@ def step_goal(
     the TPOT target. An answer of n tokens has TPOT = step + (hand-off + wait)/(n - 1) +
     token overhead: its first decode token waits for the KV transfer (`transfer_s`, default
     the mean prompt's) and the next step boundary (half a step on average), spread over its
-    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go."""
+    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go.
+    Answers that would miss even alone on a worker (their need below a one-sequence step at
+    the mean prompt's context: a long hand-off over few tokens) are let go too: no pool size
+    saves them, and sizing for them asks for a worker per sequence."""
     goal = targets.tpot_goal - profile.token_overhead_s
     handoff = profile.transfer_s(wl.prompts.mean()) if transfer_s is None else transfer_s
+    alone = profile.decode_step_s(1, wl.prompts.mean())
     needs = sorted(
-        ((goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1)), p)
+        (need, p)
         for p, n, _ in wl.outputs.parts
-        if n >= 2
+        if n >= 2 and (need := (goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1))) >= alone
     )
     skipped = 0.0
     for need, share in needs:
@@ -476,6 +480,20 @@ def _decode_fits(
     return batch, per_worker, carries, n * batch >= load.in_flight
 
 
+def _decode_for_throughput(
+    profile: CapacityProfile, load: DecodeLoad, lo: int, hi: int
+) -> tuple[int, int, float]:
+    """(workers, batch, tokens/s per worker) carrying the demand and what is in flight at the
+    largest batch the KV cache holds, latency aside (the target is out of reach anyway)."""
+    batch = max(
+        1, min(int(profile.kv_capacity_tokens / max(load.context, 1.0)), profile.max_num_seqs)
+    )
+    step = load.decode_corr * profile.decode_step_s(batch, batch * load.context)
+    per_worker = batch / step
+    need = max(math.ceil(load.tokens_per_s / per_worker), math.ceil(load.in_flight / batch), lo)
+    return min(need, hi), batch, per_worker
+
+
 def size_decode(
     profile: CapacityProfile, load: DecodeLoad, targets: Targets, lo: int, hi: int
 ) -> DecodePlan:
@@ -495,9 +513,12 @@ def size_decode(
         batch, per_worker, _, _ = _decode_fits(profile, load, hi, targets)
         note = f"{hi} workers (the max) cannot meet the TPOT target"
         if batch < 1:
+            # No pool size meets the target (one sequence's step is already too long): more
+            # workers buy nothing, so carry the demand at the batches the KV cache holds.
+            chosen, batch, per_worker = _decode_for_throughput(profile, load, lo, hi)
             note = (
                 f"no batch keeps TPOT <= {_ms(targets.tpot_goal)} (a {_ms(load.step_goal_s)} "
-                f"step) at {load.context:.0f} context tokens"
+                f"step) at {load.context:.0f} context tokens: sized for throughput"
             )
     cause = "backlog" if by_demand is not None and chosen > by_demand else "demand"
     cause = cause if met else "bounds"
