@@ -245,7 +245,12 @@ async def run_benchmark(config: BenchConfig) -> BenchResult:
         duration = await _dispatch(config, session, model, workload.requests, records)
     slos = config.slos
     metrics = compute_metrics(
-        records, duration, slos.get("ttft"), slos.get("tpot"), slo_e2el_ms=slos.get("e2el")
+        records,
+        duration,
+        slos.get("ttft"),
+        slos.get("tpot"),
+        slo_e2el_ms=slos.get("e2el"),
+        slo_ttft_ms_per_1k=config.slo_ttft_ms_per_1k,
     )
     errors = collections.Counter(r.error for r in records if r.error is not None)
     return BenchResult(

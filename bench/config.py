@@ -65,6 +65,9 @@ class BenchConfig:
     )
     seed: int = setting(0, "seed of lengths, arrivals and prompts")
     slo_ttft_ms: float | None = setting(None, "TTFT SLO for goodput, in ms")
+    slo_ttft_ms_per_1k: float = setting(
+        0.0, "TTFT allowance per 1k prompt tokens added to --slo-ttft-ms for goodput, in ms"
+    )
     slo_tpot_ms: float | None = setting(None, "TPOT SLO for goodput, in ms")
     goodput: dict[str, float] | None = setting(
         None, "SLOs in ms by metric (ttft, tpot, e2el): `--goodput ttft:500 tpot:50`", cli=False
@@ -139,6 +142,8 @@ class BenchConfig:
             )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.slo_ttft_ms_per_1k >= 0 and math.isfinite(self.slo_ttft_ms_per_1k)):
+            raise ValueError(f"slo_ttft_ms_per_1k must be >= 0, got {self.slo_ttft_ms_per_1k}")
         if not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not (self.trace_length_scale > 0 and self.trace_time_scale >= 0):

@@ -13,9 +13,10 @@ Definitions (the same as vLLM's benchmark_serving):
   (the final usage chunk), the tokens beyond one per chunk are spread evenly over the chunks
   after the first (`spread_tokens`).
 - Percentiles: numpy's linear interpolation. Latencies are reported in milliseconds.
-- Goodput: completed requests meeting every given SLO (TTFT <= slo_ttft_ms, TPOT <=
-  slo_tpot_ms, E2E <= slo_e2el_ms) per second of benchmark duration; with no SLO it is the
-  request throughput. (bench/vllm_compat.py gives vLLM's result keys from the same records.)
+- Goodput: completed requests meeting every given SLO (TTFT <= slo_ttft_ms plus
+  slo_ttft_ms_per_1k per 1k prompt tokens, TPOT <= slo_tpot_ms, E2E <= slo_e2el_ms) per
+  second of benchmark duration; with no SLO it is the request throughput.
+  (bench/vllm_compat.py gives vLLM's result keys from the same records.)
 - Failed requests are counted, never enter a latency statistic or a throughput.
 """
 
@@ -225,15 +226,25 @@ def summarize(values_s: Sequence[float]) -> LatencyStats:
     return LatencyStats(float(ms.mean()), p50, p90, p99, int(ms.size))
 
 
+def ttft_target_ms(slo_ttft_ms: float, per_1k_ms: float, prompt_len: int) -> float:
+    """A request's TTFT target: the base plus an allowance per 1k prompt tokens (DistServe and
+    Mooncake judge a long prompt by its length; 0: one target for every prompt). The planner
+    (cluster/planner/sizing.py) and the simulator's attainment use the same rule."""
+    return slo_ttft_ms + per_1k_ms * prompt_len / 1000.0
+
+
 def meets_slo(
     record: RequestRecord,
     slo_ttft_ms: float | None,
     slo_tpot_ms: float | None,
     slo_e2el_ms: float | None = None,
+    slo_ttft_ms_per_1k: float = 0.0,
 ) -> bool:
     if not record.ok:
         return False
-    if slo_ttft_ms is not None and record.ttft_s * 1000.0 > slo_ttft_ms:
+    if slo_ttft_ms is not None and record.ttft_s * 1000.0 > ttft_target_ms(
+        slo_ttft_ms, slo_ttft_ms_per_1k, record.prompt_len
+    ):
         return False
     if slo_e2el_ms is not None and record.e2e_s * 1000.0 > slo_e2el_ms:
         return False
@@ -249,12 +260,15 @@ def compute_metrics(
     slo_tpot_ms: float | None = None,
     *,
     slo_e2el_ms: float | None = None,
+    slo_ttft_ms_per_1k: float = 0.0,
 ) -> BenchMetrics:
     if not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.ok]
     failed = len(records) - len(done)
-    good = sum(meets_slo(r, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms) for r in done)
+    good = sum(
+        meets_slo(r, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, slo_ttft_ms_per_1k) for r in done
+    )
     total_in = sum(r.prompt_len for r in done)
     total_out = sum(r.output_len for r in done)
     tpots = [t for t in (r.tpot_s for r in done) if t is not None]

@@ -12,6 +12,7 @@ replays or a simulator feeds its planner. Both return new lists; nothing is muta
 from __future__ import annotations
 
 import csv
+import gzip
 import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -96,7 +97,9 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     rows: list[tuple[tuple[int, float], int, int]] = []
-    with path.open(newline="") as f:
+    # A .gz trace (a committed slice) is read through gzip.
+    opened = gzip.open(path, "rt", newline="") if path.suffix == ".gz" else path.open(newline="")
+    with opened as f:
         reader = csv.DictReader(f)
         fields = [name.strip() for name in (reader.fieldnames or [])]
         missing = {TIMESTAMP_COLUMN, PROMPT_COLUMN, OUTPUT_COLUMN} - set(fields)

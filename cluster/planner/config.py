@@ -18,6 +18,12 @@ from engine.config_flags import setting
 @dataclass(slots=True)
 class PlannerConfig:
     slo_ttft_ms: float = setting(1000.0, "time-to-first-token target (p90), ms")
+    slo_ttft_ms_per_1k: float = setting(
+        0.0,
+        "TTFT allowance per 1k prompt tokens on top of --slo-ttft-ms, ms (a long prompt is "
+        "judged by its length; the planner, the simulator's attainment and `tandem bench "
+        "serve`'s goodput use the same rule; 0: one target)",
+    )
     slo_tpot_ms: float = setting(100.0, "time-per-output-token target (p50), ms")
     interval_s: float = setting(10.0, "seconds between two planner decisions (one window)")
     min_prefill: int = setting(1, "fewest prefill workers (0: short loads prefill on decode)")
@@ -106,6 +112,7 @@ class PlannerConfig:
         for name in ("slo_ttft_ms", "slo_tpot_ms", "interval_s"):
             _positive(name, getattr(self, name))
         for name in (
+            "slo_ttft_ms_per_1k",
             "up_cooldown_s",
             "down_cooldown_s",
             "down_hold_s",

@@ -279,23 +279,34 @@ class DemandTracker:
         forecast = self.forecast_rate()
         return max(self.holt.noise, math.sqrt(max(forecast, 0.0) / self.config.interval_s))
 
-    def up_rate(self) -> float:
+    def up_rate(self, room_s: float = 0.0) -> float:
         """The rate a scale-up provisions for: the forecast plus `up_noise_sigmas` of noise
         (the windows until a new worker is ready will peak above their mean), or the last
         window's rate when it stood out of the noise expected before it (a burst: more than
         BURST_SIGMAS above the one-step forecast); a window merely at the top of the noise
-        does not start a worker."""
-        provisioned = self.forecast_rate() + self.config.up_noise_sigmas * self.noise()
-        return max(provisioned, self.last_rate) if self._burst else provisioned
+        does not start a worker. `room_s`: seconds a request may queue within its target
+        (`queue_share`): a window's excess over the forecast then only needs the capacity
+        that drains it within that room, and the noise is that of the longer average."""
+        share = queue_share(self.config.interval_s, room_s)
+        forecast = self.forecast_rate()
+        provisioned = forecast + self.config.up_noise_sigmas * self.noise() * math.sqrt(share)
+        if not self._burst:
+            return provisioned
+        return max(provisioned, share * self.last_rate + (1 - share) * provisioned)
 
-    def down_rate(self) -> float:
+    def down_rate(self, room_s: float = 0.0) -> float:
         """The rate a smaller pool must still carry: the forecast plus the larger of
         `down_margin` and NOISE_SIGMAS standard deviations of the rate's noise (and the last
         window's rate plus `down_margin`), so the noise of a steady load never shrinks a pool
-        that the next window's rate grows back."""
+        that the next window's rate grows back. `room_s` as for `up_rate`: the survivors
+        carry the load averaged over a window and the room, so the same share applies to
+        the noise and to the last window's excess as the scale-up rule uses (a pool shrunk
+        here is not grown back by the next window's up rule at the same load)."""
+        share = queue_share(self.config.interval_s, room_s)
         forecast, margin = self.forecast_rate(), self.config.down_margin
-        spread = max(margin * forecast, NOISE_SIGMAS * self.noise())
-        return max(forecast + spread, self.last_rate * (1 + margin))
+        spread = max(margin * forecast, NOISE_SIGMAS * self.noise() * math.sqrt(share))
+        last = share * self.last_rate + (1 - share) * forecast
+        return max(forecast + spread, last * (1 + margin))
 
     def workload(self, rate: float) -> Workload:
         """The recent length mix (history_s of windows, else older, else the prior) at `rate`,
@@ -352,6 +363,15 @@ def _heavier(recent: LengthDist, history: LengthDist | None, count: int) -> bool
         return False
     sd = math.sqrt(max(history.second_moment() - history.mean() ** 2, 0.0))
     return recent.mean() > history.mean() + BURST_SIGMAS * sd / math.sqrt(max(count, 1))
+
+
+def queue_share(interval_s: float, room_s: float) -> float:
+    """The share of one window's excess arrivals the pool must compute within the window
+    itself when requests may queue `room_s` seconds within their TTFT target: capacity C
+    clears a window of rate r followed by the forecast f within the window plus the room when
+    C >= (r W + f room) / (W + room), i.e. the share W / (W + room) of r. 1 with no room (a
+    tight target: every window's rate must be carried as it comes)."""
+    return interval_s / (interval_s + max(room_s, 0.0))
 
 
 def _end(window: WindowSignals) -> float:

@@ -57,10 +57,21 @@ class Targets:
     disagg_threshold: int = 0
     arrival_scv: float = 1.0
     tpot_tail_share: float = 0.05
+    # The share of a window's excess a pool must carry as it comes (demand.queue_share): 1
+    # for a tight target; less where requests may queue within their TTFT target, which
+    # then also absorbs the rate's error that the utilisation headroom is kept for.
+    queue_share: float = 1.0
+    # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms's rule).
+    ttft_per_1k_s: float = 0.0
 
     @property
     def ttft_goal(self) -> float:
         return self.slo_ttft_s * (1 - self.headroom)
+
+    def ttft_goal_for(self, prompt_tokens: float) -> float:
+        """The TTFT goal of a prompt of this many tokens: its target (the base plus the
+        per-1k allowance) less the headroom."""
+        return (self.slo_ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000) * (1 - self.headroom)
 
     @property
     def tpot_goal(self) -> float:
@@ -68,7 +79,7 @@ class Targets:
 
     @property
     def max_utilisation(self) -> float:
-        return 1 - self.headroom
+        return 1 - self.headroom * self.queue_share
 
 
 @dataclass(slots=True, frozen=True)
@@ -289,12 +300,15 @@ def size_prefill(
     # With no queueing and no other prompt, the p90 prompt still takes its own step.
     floor = profile.request_overhead_s + load.correction * profile.prefill_s(load.p90_tokens)
     by_ttft, met, note = None, True, ""
-    if floor > targets.ttft_goal:
+    # The p90 prompt's own target (its length's allowance counted on its uncached tokens:
+    # the cautious side when the cache hits).
+    goal = targets.ttft_goal_for(load.p90_tokens)
+    if floor > goal:
         by_ttft, met = math.ceil(need_tput), False
         note = f"the p90 prompt alone takes {_ms(floor)} > the target: sized for throughput"
     else:
         for n in range(max(lo, 1, math.ceil(need_tput)), hi + 1):
-            if prefill_ttft_p90(profile, load, n, targets) <= targets.ttft_goal:
+            if prefill_ttft_p90(profile, load, n, targets) <= goal:
                 by_ttft = n
                 break
     capped = by_ttft is None
@@ -309,7 +323,7 @@ def size_prefill(
     cause = "backlog" if by_backlog > by_ttft and workers > lo else "demand"
     cause = "bounds" if capped else cause
     ttft = prefill_ttft_p90(profile, load, workers, targets)
-    return PrefillPlan(workers, cause, load, ttft, met and ttft <= targets.ttft_goal, note)
+    return PrefillPlan(workers, cause, load, ttft, met and ttft <= goal, note)
 
 
 def burst_prefill_workers(
@@ -378,13 +392,17 @@ def step_goal(
     the TPOT target. An answer of n tokens has TPOT = step + (hand-off + wait)/(n - 1) +
     token overhead: its first decode token waits for the KV transfer (`transfer_s`, default
     the mean prompt's) and the next step boundary (half a step on average), spread over its
-    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go."""
+    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go.
+    Answers that would miss even alone on a worker (their need below a one-sequence step at
+    the mean prompt's context: a long hand-off over few tokens) are let go too: no pool size
+    saves them, and sizing for them asks for a worker per sequence."""
     goal = targets.tpot_goal - profile.token_overhead_s
     handoff = profile.transfer_s(wl.prompts.mean()) if transfer_s is None else transfer_s
+    alone = profile.decode_step_s(1, wl.prompts.mean())
     needs = sorted(
-        ((goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1)), p)
+        (need, p)
         for p, n, _ in wl.outputs.parts
-        if n >= 2
+        if n >= 2 and (need := (goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1))) >= alone
     )
     skipped = 0.0
     for need, share in needs:
@@ -462,6 +480,20 @@ def _decode_fits(
     return batch, per_worker, carries, n * batch >= load.in_flight
 
 
+def _decode_for_throughput(
+    profile: CapacityProfile, load: DecodeLoad, lo: int, hi: int
+) -> tuple[int, int, float]:
+    """(workers, batch, tokens/s per worker) carrying the demand and what is in flight at the
+    largest batch the KV cache holds, latency aside (the target is out of reach anyway)."""
+    batch = max(
+        1, min(int(profile.kv_capacity_tokens / max(load.context, 1.0)), profile.max_num_seqs)
+    )
+    step = load.decode_corr * profile.decode_step_s(batch, batch * load.context)
+    per_worker = batch / step
+    need = max(math.ceil(load.tokens_per_s / per_worker), math.ceil(load.in_flight / batch), lo)
+    return min(need, hi), batch, per_worker
+
+
 def size_decode(
     profile: CapacityProfile, load: DecodeLoad, targets: Targets, lo: int, hi: int
 ) -> DecodePlan:
@@ -481,9 +513,12 @@ def size_decode(
         batch, per_worker, _, _ = _decode_fits(profile, load, hi, targets)
         note = f"{hi} workers (the max) cannot meet the TPOT target"
         if batch < 1:
+            # No pool size meets the target (one sequence's step is already too long): more
+            # workers buy nothing, so carry the demand at the batches the KV cache holds.
+            chosen, batch, per_worker = _decode_for_throughput(profile, load, lo, hi)
             note = (
                 f"no batch keeps TPOT <= {_ms(targets.tpot_goal)} (a {_ms(load.step_goal_s)} "
-                f"step) at {load.context:.0f} context tokens"
+                f"step) at {load.context:.0f} context tokens: sized for throughput"
             )
     cause = "backlog" if by_demand is not None and chosen > by_demand else "demand"
     cause = cause if met else "bounds"

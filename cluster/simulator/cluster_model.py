@@ -56,6 +56,7 @@ class SimCluster:
         startup_s: float,
         slo_ttft_s: float,
         slo_tpot_s: float,
+        slo_ttft_per_1k_s: float = 0.0,
         step_by_step: bool = False,
         host_workers: int = 1,
         corun_slowdown: dict[str, float] | None = None,
@@ -64,6 +65,7 @@ class SimCluster:
         self.prefill_cost = PrefillCost(profile)
         self.disagg_threshold, self.startup_s = disagg_threshold, startup_s
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        self.slo_ttft_per_1k_s = slo_ttft_per_1k_s
         self.step_by_step = step_by_step
         self.host_workers = host_workers
         self.corun_slowdown = dict(corun_slowdown or {})
@@ -212,7 +214,7 @@ class SimCluster:
         self.awaiting_first -= 1
         self.awaiting_tokens -= flight.uncached
         ttft = now - flight.request.arrival_s + self.profile.request_overhead_s
-        if ttft > self.slo_ttft_s:
+        if ttft > self._ttft_target_s(flight):
             self.missed += 1
         self.recorder.first_token(ttft)
 
@@ -234,7 +236,11 @@ class SimCluster:
 
     def _missed_ttft(self, flight: Flight) -> bool:
         ttft = flight.first_token_s - flight.request.arrival_s + self.profile.request_overhead_s
-        return ttft > self.slo_ttft_s
+        return ttft > self._ttft_target_s(flight)
+
+    def _ttft_target_s(self, flight: Flight) -> float:
+        """The request's TTFT target (run.SimConfig.ttft_target_s: base + per-1k allowance)."""
+        return self.slo_ttft_s + self.slo_ttft_per_1k_s * flight.request.prompt_len / 1000.0
 
     # -- state at a window's end (what the planner reads besides the traffic) -------------------
     def queue_state(self) -> dict[str, float]:

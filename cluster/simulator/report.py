@@ -18,6 +18,8 @@ from cluster.simulator.run import SimResult
 from router.signals import LatencySummary
 
 RESULT_JSON = "simulation.json"
+# The oscillation check: direction changes of a pool within any this many seconds.
+DIRECTION_WINDOW_S = 600.0
 TIMELINE_PNG = "replicas.png"
 POOL_COLORS = {"prefill": "tab:orange", "decode": "tab:blue", "colocated": "tab:green"}
 
@@ -175,3 +177,26 @@ def plot_timeline(result: SimResult, path: Path, title: str = "") -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def direction_changes(r: SimResult, window_s: float = DIRECTION_WINDOW_S) -> dict[str, int]:
+    """Per pool: how often its provisioned size (ready + starting) turned from growing to
+    shrinking or back, in all (`pool`) and at most within any `window_s`
+    (`pool_max_per_10min`: oscillation)."""
+    out: dict[str, int] = {}
+    sizes: dict[str, list[tuple[float, int]]] = {}
+    for t, pool, ready, starting, _ in r.timeline:
+        sizes.setdefault(pool, []).append((t, ready + starting))
+    for pool, series in sizes.items():
+        turns, last_dir, prev = [], 0, None
+        for t, n in series:
+            if prev is not None and n != prev:
+                d = 1 if n > prev else -1
+                if last_dir and d != last_dir:
+                    turns.append(t)
+                last_dir = d
+            prev = n
+        most = max((sum(1 for u in turns if t <= u < t + window_s) for t in turns), default=0)
+        out[pool] = len(turns)
+        out[f"{pool}_max_per_10min"] = most
+    return out

@@ -41,6 +41,9 @@ class SimConfig:
 
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
+    # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms: the same rule as
+    # `tandem bench serve`'s goodput and the planner's sizing); 0: one target for all.
+    slo_ttft_per_1k_s: float = 0.0
     interval_s: float = 10.0
     disagg_threshold: int = 0
     startup_s: float | None = None
@@ -56,6 +59,10 @@ class SimConfig:
     abort_after_misses: int | None = None
     progress: bool = False
 
+    def ttft_target_s(self, prompt_len: int) -> float:
+        """A request's TTFT target: the base plus the allowance for its prompt's length."""
+        return self.slo_ttft_s + self.slo_ttft_per_1k_s * prompt_len / 1000.0
+
     @classmethod
     def for_planner(cls, planner: PlannerConfig, **settings) -> SimConfig:
         """A run judged by the planner's own targets and driven at its interval, threshold and
@@ -63,6 +70,7 @@ class SimConfig:
         return cls(
             slo_ttft_s=planner.slo_ttft_s,
             slo_tpot_s=planner.slo_tpot_s,
+            slo_ttft_per_1k_s=planner.slo_ttft_ms_per_1k / 1000.0,
             interval_s=planner.interval_s,
             disagg_threshold=planner.disagg_threshold,
             startup_s=planner.startup_s,
@@ -74,6 +82,8 @@ class SimConfig:
             v = getattr(self, name)
             if not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be > 0, got {v}")
+        if not (self.slo_ttft_per_1k_s >= 0 and math.isfinite(self.slo_ttft_per_1k_s)):
+            raise ValueError(f"slo_ttft_per_1k_s must be >= 0, got {self.slo_ttft_per_1k_s}")
         if self.disagg_threshold < 0:
             raise ValueError(f"disagg_threshold must be >= 0, got {self.disagg_threshold}")
         if self.startup_s is not None and not (self.startup_s >= 0):
@@ -110,6 +120,9 @@ class SimResult:
     workers: list[dict] = field(default_factory=list)
     # Per request: (prefill worker id, decode worker id); None where it had none (yet).
     placements: list[tuple[int | None, int | None]] = field(default_factory=list)
+    # Per request, its prompt length (a length-aware TTFT target needs it; empty: the base
+    # target for every request).
+    prompt_lens: list[int] = field(default_factory=list)
 
     @property
     def requests(self) -> int:
@@ -118,11 +131,14 @@ class SimResult:
     @property
     def met(self) -> int:
         """Requests meeting both targets (unfinished ones miss)."""
-        ttft_ok, tpot_ok = self.config.slo_ttft_s, self.config.slo_tpot_s
+        cfg = self.config
+        prompts = self.prompt_lens or [0] * len(self.ttft_s)
         return sum(
             1
-            for ttft, tpot, n in zip(self.ttft_s, self.tpot_s, self.output_lens, strict=True)
-            if ttft <= ttft_ok and (tpot <= tpot_ok if n > 1 else True)
+            for ttft, tpot, n, p in zip(
+                self.ttft_s, self.tpot_s, self.output_lens, prompts, strict=True
+            )
+            if ttft <= cfg.ttft_target_s(p) and (tpot <= cfg.slo_tpot_s if n > 1 else True)
         )
 
     @property
@@ -158,6 +174,7 @@ class _Run:
             startup_s=profile.startup_s if cfg.startup_s is None else cfg.startup_s,
             slo_ttft_s=cfg.slo_ttft_s,
             slo_tpot_s=cfg.slo_tpot_s,
+            slo_ttft_per_1k_s=cfg.slo_ttft_per_1k_s,
             step_by_step=cfg.step_by_step,
             host_workers=cfg.host_workers,
             corun_slowdown={
@@ -247,6 +264,7 @@ class _Run:
             ttft_s=ttft,
             tpot_s=tpot,
             output_lens=[r.output_len for r in self.requests],
+            prompt_lens=[r.prompt_len for r in self.requests],
             finish_s=[f.finish_s for f in self.flights],
             finished=self.cluster.finished_count,
             end_s=end_s,

@@ -1,8 +1,11 @@
 """The simulator's input: a trace of requests (arrival, prompt and output length, and the
 prompt's block hash ids where the trace has them).
 
-Two formats:
-- the Azure LLM inference trace CSVs (`../shared/traces/*.csv`), read by `bench.traces`;
+Three formats (any of them gzip-compressed, `.gz`):
+- the Azure LLM inference trace CSVs (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`;
+  `../shared/traces/*.csv`; 2024's assumed to keep these columns, unchecked), read by
+  `bench.traces`;
+- BurstGPT's CSV (`Timestamp` in seconds, `Request tokens`, `Response tokens`);
 - the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
   `input_length`, `output_length` and `hash_ids` (one id per `BLOCK_TOKENS`-token block of the
   prompt; equal ids at the same place mean a shared prefix, which a prefix cache can hit).
@@ -15,6 +18,8 @@ Every function returns a new list.
 
 from __future__ import annotations
 
+import csv
+import gzip
 import json
 import math
 import random
@@ -23,7 +28,9 @@ from pathlib import Path
 
 from bench.traces import load_trace
 
-FORMATS = ("auto", "azure", "mooncake")
+FORMATS = ("auto", "azure", "mooncake", "burstgpt")
+# BurstGPT's CSV (github.com/HPMLL/BurstGPT): seconds from the trace's start, and token counts.
+BURSTGPT_FIELDS = ("Timestamp", "Request tokens", "Response tokens")
 # Mooncake's hash_ids cover the prompt in blocks of this many tokens.
 BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
@@ -52,19 +59,35 @@ def detect_format(path: str | Path) -> str:
     """`azure` for a .csv, `mooncake` for .jsonl/.json; otherwise by the first non-empty line
     (a JSON object is Mooncake, anything else Azure)."""
     path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
-        return "azure"
+    suffixes = [x.lower() for x in path.suffixes]
+    if suffixes[-1:] == [".gz"]:
+        suffixes.pop()
+    suffix = suffixes[-1] if suffixes else ""
+    if suffix == ".csv":  # Azure unless the header is BurstGPT's
+        try:
+            with open_text(path) as f:
+                header = f.readline()
+        except OSError:
+            return "azure"
+        return "burstgpt" if all(k in header for k in BURSTGPT_FIELDS) else "azure"
     if suffix in (".jsonl", ".json"):
         return "mooncake"
     try:
-        with path.open() as f:
+        with open_text(path) as f:
             for line in f:
                 if line.strip():
                     return "mooncake" if line.lstrip().startswith("{") else "azure"
     except OSError as e:
         raise ValueError(f"cannot read trace {path}: {e}") from e
     raise ValueError(f"{path}: empty trace")
+
+
+def open_text(path: Path):
+    """A trace file as text; `.gz` files are read through gzip (the committed slices under
+    benchmarks/traces/ are compressed)."""
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rt", newline="")
+    return path.open(newline="")
 
 
 def load_requests(path: str | Path, fmt: str = "auto") -> list[SimRequest]:
@@ -78,6 +101,8 @@ def load_requests(path: str | Path, fmt: str = "auto") -> list[SimRequest]:
         fmt = detect_format(path)
     if fmt == "mooncake":
         return load_mooncake(path)
+    if fmt == "burstgpt":
+        return load_burstgpt(path)
     # The Azure CSVs have no zero lengths, but other CSVs might: a request makes >= 1 token.
     return [
         SimRequest(r.arrival_s, max(1, r.prompt_len), max(1, r.output_len))
@@ -90,7 +115,7 @@ def load_mooncake(path: str | Path) -> list[SimRequest]:
     field."""
     path = Path(path)
     rows: list[tuple[float, int, int, tuple[int, ...]]] = []
-    with path.open() as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
                 rows.append(_mooncake_row(line, f"{path}:{lineno}"))
@@ -99,6 +124,33 @@ def load_mooncake(path: str | Path) -> list[SimRequest]:
     rows.sort(key=lambda r: r[0])  # stable: equal timestamps keep the file's order
     t0 = rows[0][0]
     return [SimRequest((t - t0) / 1000.0, p, o, h) for t, p, o, h in rows]
+
+
+def load_burstgpt(path: str | Path) -> list[SimRequest]:
+    """Read a BurstGPT CSV (`Timestamp` in seconds, `Request tokens`, `Response tokens`; the
+    model and log-type columns are ignored; a failed request's 0 response tokens count as one
+    token). A bad row is a ValueError naming the file and line."""
+    path = Path(path)
+    rows: list[tuple[float, int, int]] = []
+    with open_text(path) as f:
+        reader = csv.DictReader(f)
+        missing = [k for k in BURSTGPT_FIELDS if k not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: missing BurstGPT column(s) {missing}")
+        for lineno, row in enumerate(reader, start=2):
+            try:
+                t = float(row["Timestamp"])
+                p, o = int(row["Request tokens"]), int(row["Response tokens"])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from e
+            if not math.isfinite(t) or t < 0 or p < 0 or o < 0:
+                raise ValueError(f"{path}:{lineno}: negative or non-finite field")
+            rows.append((t, max(1, p), max(1, o)))
+    if not rows:
+        raise ValueError(f"{path}: no requests")
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [SimRequest(t - t0, p, o) for t, p, o in rows]
 
 
 def _mooncake_row(line: str, where: str) -> tuple[float, int, int, tuple[int, ...]]:

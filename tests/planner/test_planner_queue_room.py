@@ -1,0 +1,68 @@
+"""Sizing at the SLO with room to queue: a loose TTFT target lets a burst queue and drain
+(the rate averaged over the room, `demand.queue_share`), the utilisation headroom shrinks
+with it, and a length-aware TTFT target (`slo_ttft_ms_per_1k`) gives long prompts their
+allowance."""
+
+from __future__ import annotations
+
+import pytest
+from planner_fakes import follow, pools, round_profile, window
+
+from cluster.planner.config import PlannerConfig
+from cluster.planner.demand import DemandTracker, queue_share
+from cluster.planner.policy import Planner
+from cluster.planner.sizing import Targets
+from cluster.planner.types import DECODE_POOL, PREFILL_POOL
+
+PROFILE = round_profile()  # 20k prompt tok/s per prefill worker, a full step takes 0.5 s
+P, D = PREFILL_POOL, DECODE_POOL
+
+
+def test_queue_share_is_the_part_of_a_window_the_room_cannot_absorb():
+    assert queue_share(10, 0) == 1.0
+    assert queue_share(10, 30) == pytest.approx(0.25)
+    assert queue_share(10, -5) == 1.0  # no negative room
+
+
+def test_a_burst_window_is_sized_at_its_share_when_requests_may_queue():
+    t = DemandTracker(PlannerConfig(interval_s=10, up_noise_sigmas=0), startup_s=60)
+    for i in range(20):
+        t.observe(window(10 * i, 5.0))
+    t.observe(window(200, 40.0))
+    f = t.forecast_rate()
+    assert t.up_rate() == 40.0  # no room: the burst's own rate
+    # 30 s of room: the window's excess drains within it, C >= (40 W + f room) / (W + room).
+    assert t.up_rate(30.0) == pytest.approx(0.25 * 40 + 0.75 * f)
+    assert t.down_rate(30.0) < t.down_rate()  # and the survivors' check alike
+
+
+def test_loose_ttft_target_sizes_a_burst_below_a_tight_one():
+    sizes = {}
+    for ttft_ms in (1000, 30000):
+        cfg = PlannerConfig(slo_ttft_ms=ttft_ms, slo_tpot_ms=50, max_prefill=16, max_decode=16)
+        planner = Planner(PROFILE, cfg)
+        have = follow(planner, [window(10 * i, 8) for i in range(12)], start=(1, 2))[-1]
+        d = planner.decide(130, window(120, 40), pools(*have))  # 40k prompt tok/s for 10 s
+        sizes[ttft_ms] = d.desired[P]
+    assert sizes[1000] >= 3  # 40k tok/s now, at 20k per worker and 90% utilisation
+    assert sizes[30000] < sizes[1000]
+
+
+def test_length_aware_goal_adds_the_allowance_per_1k_prompt_tokens():
+    t = Targets(1.0, 0.05, headroom=0.1, ttft_per_1k_s=0.5)
+    assert t.ttft_goal_for(0) == pytest.approx(0.9)
+    assert t.ttft_goal_for(4000) == pytest.approx((1.0 + 2.0) * 0.9)
+    # The prefill pool for 4k-token prompts: a 1 s target plus 0.5 s per 1k is met by fewer
+    # workers than the 1 s target alone.
+    sizes = []
+    for per_1k in (0.0, 500.0):
+        cfg = PlannerConfig(slo_ttft_ms=1000, slo_ttft_ms_per_1k=per_1k, max_prefill=16)
+        planner = Planner(PROFILE, cfg)
+        windows = [window(10 * i, 4, prompt=4000) for i in range(12)]
+        sizes.append(follow(planner, windows, start=(1, 2))[-1][0])
+    assert sizes[1] < sizes[0]
+
+
+def test_the_per_1k_allowance_must_not_be_negative():
+    with pytest.raises(ValueError, match="slo_ttft_ms_per_1k"):
+        PlannerConfig(slo_ttft_ms_per_1k=-1)
