@@ -265,8 +265,8 @@ class BlockManager:
         if block.hash is not None and self._cached.get(block.hash) == bid:
             del self._cached[block.hash]  # evict the cached prefix it held
             # The device copy's removal is told first, then the host tier's demotion
-            # ("stored" host): a listener keeps one tier per block, so the other order would
-            # drop the host copy with the device one.
+            # ("stored" host, from on_evict): a listener replaying the events in order sees
+            # the block leave one tier and enter the other (router/kv_index.py).
             if self.event_sink is not None:
                 self.event_sink(REMOVED, block.hash, DEVICE_TIER)
             if self.on_evict is not None:

@@ -11,7 +11,9 @@ most `max_entries` (hash, worker) pairs: past that, new ones are not indexed (ro
 fewer hits, never wrong ones) and `num_overflow` counts them.
 
 Scoring (`hit_tokens`): the leading prompt blocks a worker holds, in any tier, each weighted by
-its tier (`TIER_WEIGHT`: a host block must be copied back before use).
+its tier (`TIER_WEIGHT`: a host block must be copied back before use). A block held in both
+tiers (promoted back, its host copy kept) counts once, at the faster tier; when one copy
+leaves, the other is what the worker holds.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class _Worker:
     seq: int = -1
     block_size: int = 0
     synced: bool = False
-    held: dict[int, str] = field(default_factory=dict)  # hash -> tier
+    held: dict[int, str] = field(default_factory=dict)  # hash -> fastest tier holding it
+    both: set[int] = field(default_factory=set)  # hashes held in both tiers
     buffered: list[KVEventBatch] = field(default_factory=list)
 
 
@@ -104,9 +107,10 @@ class KVIndex:
 
     def _add(self, wid: str, w: _Worker, h: int, tier: str) -> None:
         if h in w.held:
-            # Held in another tier too (a move): the faster tier is the one that counts.
-            if TIER_WEIGHT[tier] > TIER_WEIGHT[w.held[h]]:
-                w.held[h] = self._blocks[h][wid] = tier
+            if tier != w.held[h]:  # held in the other tier too: the faster one counts
+                w.both.add(h)
+                if TIER_WEIGHT[tier] > TIER_WEIGHT[w.held[h]]:
+                    w.held[h] = self._blocks[h][wid] = tier
             return
         if self.num_entries >= self.max_entries:
             self.num_overflow += 1
@@ -116,8 +120,14 @@ class KVIndex:
         self.num_entries += 1
 
     def _remove(self, wid: str, w: _Worker, h: int, tier: str) -> None:
+        if h in w.both:  # one of two copies left: the other tier is what remains
+            w.both.discard(h)
+            if w.held[h] == tier:
+                (other,) = (t for t in TIER_WEIGHT if t != tier)
+                w.held[h] = self._blocks[h][wid] = other
+            return
         if w.held.get(h) != tier:
-            return  # not indexed (overflow), or a copy in another tier left
+            return  # not indexed (overflow)
         del w.held[h]
         holders = self._blocks[h]
         del holders[wid]
@@ -136,6 +146,7 @@ class KVIndex:
                 del self._blocks[h]
         self.num_entries -= len(w.held)
         w.held.clear()
+        w.both.clear()
 
     # -- reading ---------------------------------------------------------------------------
     def workers(self) -> list[str]:

@@ -109,6 +109,20 @@ def test_hits_are_leading_blocks_weighted_by_tier_and_need_the_same_block_size()
     assert index.hit_tokens("nobody", [1], BS) == (0, 0.0)
 
 
+def test_a_block_held_in_both_tiers_keeps_its_other_copy_when_one_leaves():
+    index = synced(KVIndex())
+    # Promoted back with its host copy kept: stored host, then stored device.
+    index.apply(batch(1, ("stored", 5, "host"), ("stored", 5, "device")))
+    assert index.held("w0") == {5: "device"} and index.num_entries == 1
+    index.apply(batch(2, ("removed", 5, "device")))  # the device copy evicted again
+    assert index.held("w0") == {5: "host"}
+    assert index.hit_tokens("w0", [5], BS) == (BS, 0.5 * BS)
+    index.apply(batch(3, ("stored", 5, "device"), ("removed", 5, "host")))  # host slot reused
+    assert index.held("w0") == {5: "device"} and index.holders(5) == {"w0": "device"}
+    index.apply(batch(4, ("removed", 5, "device")))
+    assert index.held("w0") == {} and index.holders(5) == {} and index.num_entries == 0
+
+
 def test_frames_round_trip_with_limits():
     b = batch(3, ("stored", -(1 << 63), "device"), ("removed", (1 << 63) - 1, "host"))
     assert decode(encode(b), expect=KVEventBatch) == b
