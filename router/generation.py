@@ -316,7 +316,10 @@ class Generation:
         choice.num_tokens += len(tokens)
         self._observe_tokens(len(tokens))
         detok = choice.detok
-        text = detok.add(tokens)
+        shown = tokens
+        if finish == "stop" and self.parsed.hide_stop_token and tokens:
+            shown = tokens[:-1]  # the EOS / stop token's text, e.g. "</s>", is not the answer
+        text = detok.add(shown)
         if detok.stopped:
             finish = "stop"
         elif choice.num_tokens >= max_tokens and finish is None:

@@ -37,7 +37,7 @@ from router import generic_tools, openai_fields
 from router.errors import APIError, api_error, bad_request
 from router.openai_fields import ACCEPTED
 from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
-from router.tools import auto_tools_grammar
+from router.tools import MISTRAL_CALLS, auto_tools_grammar, with_mistral_call_ids
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()  # unknown field names already logged
@@ -68,6 +68,9 @@ class ParsedRequest:
     # "auto" calls constrained by router/tools.py auto_tools_grammar: a call the model opens is
     # valid, so its arguments stream as they come and a cut one is returned.
     tool_grammar: bool = False
+    # The stop token's text is not part of the answer (vLLM's rule): set where tandem itself
+    # turned skip_special_tokens off to read a call marker that is a special token.
+    hide_stop_token: bool = False
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -169,6 +172,9 @@ class RequestParser:
         # schema is a 400 here, not an error from a worker.
         self.check_structured = check_structured
         self.tool_format = tool_format
+        # Mistral's call marker as one token id for the grammar; special: decoded only with
+        # skip_special_tokens off (then the request keeps special tokens to see it).
+        self.marker_token, self.marker_special = _single_token(tokenizer, MISTRAL_CALLS)
         # No token covers more characters than its longest vocabulary string, so text longer
         # than this cannot fit in the window: refuse it without paying to tokenize it.
         try:
@@ -231,6 +237,7 @@ class RequestParser:
         choice = getattr(req, "_tool_choice", None)
         auto = bool(tools) and choice == "auto"
         structured = self._structured(req, auto)
+        see_marker = auto and self.tool_format == "mistral" and self.marker_special
         sampling = SamplingParams(
             max_tokens=max_tokens,
             structured=structured,
@@ -253,7 +260,8 @@ class RequestParser:
             n=req.n,
             logprobs=logprobs,
             include_stop_str=bool(req.include_stop_str_in_output),
-            skip_special_tokens=req.skip_special_tokens is not False,
+            skip_special_tokens=req.skip_special_tokens is not False and not see_marker,
+            hide_stop_token=see_marker,
             tools=tools,
             tool_choice=choice,
             tool_format=(self.tool_format or generic_tools.FORMAT) if auto else None,
@@ -269,7 +277,8 @@ class RequestParser:
             # Text, or only calls the parser reads (router/tools.py auto_tools_grammar).
             parallel = getattr(req, "parallel_tool_calls", None) is not False
             fmt = self.tool_format or generic_tools.FORMAT
-            param, spec = "tools", ("grammar", auto_tools_grammar(req._tools, fmt, parallel))
+            grammar = auto_tools_grammar(req._tools, fmt, parallel, self.marker_token)
+            param, spec = "tools", ("grammar", grammar)
         else:
             return None
         if self.check_structured is not None:
@@ -363,6 +372,8 @@ class RequestParser:
             if tools and self.tool_format is None and req._tool_choice == "auto":
                 # The template cannot show the tools: router/generic_tools.py does.
                 messages, tools = generic_tools.messages_with_tools(messages, tools), None
+            elif self.tool_format == "mistral":  # its templates take only 9-character ids
+                messages = with_mistral_call_ids(messages)
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tools=tools,
@@ -375,6 +386,21 @@ class RequestParser:
             raise bad_request(f"chat template failed: {e}", "messages") from e
         # The template already wrote BOS and the turn markers.
         return self._tokenize(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+
+
+def _single_token(tokenizer: Any, text: str) -> tuple[int | None, bool]:
+    """(id, special) of the one token `text` is in the vocabulary, or (None, False)."""
+    try:
+        token_id = tokenizer.get_vocab().get(text)
+    except Exception:  # noqa: BLE001 - a tokenizer without get_vocab: the text is matched
+        return None, False
+    if token_id is None:
+        return None, False
+    # The Rust decode skips added tokens marked special (Mistral's control tokens are, without
+    # being listed in additional_special_tokens).
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token_id)
+    special = bool(getattr(added, "special", False))
+    return token_id, special or text in getattr(tokenizer, "all_special_tokens", ())
 
 
 def _ignored(req: Any) -> list[str]:

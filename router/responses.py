@@ -304,7 +304,7 @@ def forced_tool_calls(parsed: ParsedRequest, text: str) -> list[dict[str, Any]]:
     """tool_choice "required" (a JSON list of {name, parameters}) or a named function (the
     arguments object): the calls as the model wrote them; a call the length limit cut keeps
     its arguments so far (OpenAI's shape, with finish_reason "length")."""
-    from router.tools import ForcedCallParser
+    from router.tool_stream import ForcedCallParser
 
     # "auto" under auto_tools_grammar: Hermes blocks, read like a "required" list.
     parser = ForcedCallParser(None if parsed.tool_choice == "auto" else parsed.tool_choice)

@@ -33,7 +33,7 @@ from router import responses
 from router.errors import APIError
 from router.openai_api import ParsedRequest
 from router.responses_protocol import ResponsesRequest
-from router.tools import ToolStreamParser
+from router.tool_stream import ToolStreamParser
 
 _COMPACT = json.JSONEncoder(separators=(",", ":")).encode
 

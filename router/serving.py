@@ -287,7 +287,7 @@ class StreamWriter:
         )
 
     def _tools(self, index: int, text: str, finish: str | None) -> tuple[str | None, list | None]:
-        from router.tools import ForcedCallParser, ToolStreamParser
+        from router.tool_stream import ForcedCallParser, ToolStreamParser
 
         parsed = self.run.parsed
         if parsed.tool_choice == "auto":

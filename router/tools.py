@@ -8,7 +8,8 @@
 - `parse_tool_calls(text, fmt)` / `ToolStreamParser(fmt)`: for "auto", the calls the model chose
   to write in its chat template's own format: "hermes" (Qwen2.5, Hermes: `<tool_call>` blocks)
   or "llama3_json" (Llama 3.x: `{"name", "parameters"}` objects, optionally after
-  `<|python_tag|>`, separated by `;`). Malformed call text is returned as plain content.
+  `<|python_tag|>`, separated by `;`) or "mistral" (Mistral v0.3: `[TOOL_CALLS]` then a JSON
+  array of {"name", "arguments"}). Malformed call text is returned as plain content.
 - `detect_tool_format(chat_template)`: which of those a model's template teaches it.
 
 Pure functions of their inputs (no torch, no I/O), so the router imports them freely.
@@ -16,18 +17,22 @@ Pure functions of their inputs (no torch, no I/O), so the router imports them fr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-TOOL_FORMATS = ("hermes", "llama3_json")
+TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 # OpenAI's rule for function names.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+# Mistral's call marker: a control token of its tokenizer, so it is only in the text when
+# special tokens are decoded (ParsedRequest.skip_special_tokens is False for such requests).
+MISTRAL_CALLS = "[TOOL_CALLS]"
 # A function declared without parameters takes none: its arguments are exactly {}.
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -171,7 +176,9 @@ def _call_schema(tools: list, args_key: str, schema: dict, where: str | None) ->
     return schema
 
 
-def auto_tools_grammar(tools: list, fmt: str, parallel: bool = True) -> str:
+def auto_tools_grammar(
+    tools: list, fmt: str, parallel: bool = True, marker_token: int | None = None
+) -> str:
     """The Lark grammar (llguidance) of a `tool_choice: "auto"` answer in format `fmt`: either
     text that never opens a call, or only calls, each naming a tool with arguments valid for
     its schema; one call when `parallel` is False. So a call the model starts is one the
@@ -179,7 +186,9 @@ def auto_tools_grammar(tools: list, fmt: str, parallel: bool = True) -> str:
 
     hermes: `<tool_call>` blocks of {"name", "arguments"}, one per line; the text never
     contains `<tool_call>`. llama3_json: {"name", "parameters"} objects joined by "; " (what
-    `_parse_llama3` reads); the text does not begin with "{" (there, a call would)."""
+    `_parse_llama3` reads); the text does not begin with "{" (there, a call would). mistral:
+    `[TOOL_CALLS] [` calls joined by ", " `]`, the marker the tokenizer's own token
+    (`marker_token`, so the model writes the one token it was trained on) or else the text."""
     if fmt not in TOOL_FORMATS:
         raise ValueError(f"no auto tool grammar for format {fmt!r}")
     from engine.structured.specs import JSON_OPTIONS
@@ -187,9 +196,21 @@ def auto_tools_grammar(tools: list, fmt: str, parallel: bool = True) -> str:
     hermes = fmt == "hermes"
     # The fixed JSON layout of response_format schemas: no free whitespace to wander into.
     layout = {"x-guidance": dict(JSON_OPTIONS)}
-    schema = json.dumps(_call_schema(tools, "arguments" if hermes else "parameters", layout, None))
-    sep = "\\n" if hermes else "; "
-    rules = ["start: TEXT | calls", f'calls: call ("{sep}" call)*' if parallel else "calls: call"]
+    args_key = "parameters" if fmt == "llama3_json" else "arguments"
+    schema = json.dumps(_call_schema(tools, args_key, layout, None))
+    sep = {"hermes": "\\n", "llama3_json": "; ", "mistral": ", "}[fmt]
+    rules = [
+        "start: TEXT | calls",
+        f'call_list: call ("{sep}" call)*' if parallel else "call_list: call",
+    ]
+    if fmt == "mistral":
+        marker = f"<[{marker_token}]>" if marker_token is not None else json.dumps(MISTRAL_CALLS)
+        rules.append(f'calls: {marker} " [" call_list "]"')
+        rules.append("call: body")
+        rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(MISTRAL_CALLS)}.*)/")
+        rules.append(f"body: %json {schema}")
+        return "\n".join(rules)
+    rules.append("calls: call_list")
     if hermes:
         rules.append(f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"')
         rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(HERMES_OPEN)}.*)/")
@@ -205,6 +226,8 @@ def opens_call(text: str, fmt: str | None) -> bool:
     never begins like one)."""
     if fmt == "hermes":
         return text.startswith(HERMES_OPEN)
+    if fmt == "mistral":
+        return text.startswith(MISTRAL_CALLS)
     return fmt == "llama3_json" and text.lstrip().startswith("{")
 
 
@@ -219,6 +242,8 @@ def detect_tool_format(chat_template: Any) -> str | None:
         return None
     if HERMES_OPEN in chat_template:
         return "hermes"
+    if MISTRAL_CALLS in chat_template:
+        return "mistral"
     # Llama 3.1+ templates show the JSON call shape in prose: {"name": function name,
     # "parameters": dictionary of argument name and its value}.
     if PYTHON_TAG in chat_template or '"parameters": dictionary' in chat_template:
@@ -314,6 +339,64 @@ def _parse_llama3(text: str) -> ParsedToolOutput:
         pos = len(body) - len(tail[1:].lstrip())
 
 
+def mistral_calls(rest: str) -> list[dict] | None:
+    """The calls in `rest` (the text after `[TOOL_CALLS]`): a JSON array of {"name",
+    "arguments"} objects (or one such object) and nothing after it; None if it is not that."""
+    body = rest.strip()
+    try:
+        obj, end = json.JSONDecoder().raw_decode(body)
+    except json.JSONDecodeError:
+        return None
+    calls = [
+        _tool_call(o, ("arguments", "parameters"))
+        for o in (obj if isinstance(obj, list) else [obj])
+    ]
+    if body[end:].strip() or not calls or None in calls:
+        return None
+    return calls
+
+
+def _parse_mistral(text: str) -> ParsedToolOutput:
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return ParsedToolOutput(text or None)
+    calls = mistral_calls(text[start + len(MISTRAL_CALLS) :])
+    if calls is None:
+        return ParsedToolOutput(text)
+    return ParsedToolOutput(text[:start].rstrip() or None, calls)
+
+
+_NINE = re.compile(r"[A-Za-z0-9]{9}")
+_ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+
+
+def mistral_call_id(call_id: str | None, fallback: str) -> str:
+    """A tool-call id as Mistral's templates require it (9 letters or digits; they raise on any
+    other): kept if it is one, else derived from it (or from `fallback`) by a hash, so an
+    assistant call and the tool result that names it map to the same id."""
+    if call_id is not None and _NINE.fullmatch(call_id):
+        return call_id
+    n = int.from_bytes(hashlib.blake2b((call_id or fallback).encode(), digest_size=8).digest())
+    return "".join(_ALNUM[(n // 62**i) % 62] for i in range(9))
+
+
+def with_mistral_call_ids(messages: list[dict]) -> list[dict]:
+    """`messages` (as the template reads them) with every call id and `tool_call_id` in
+    Mistral's shape; OpenAI's "call_..." ids come back from clients unchanged otherwise."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**c, "id": mistral_call_id(c.get("id"), f"{i}.{j}")}
+                for j, c in enumerate(m["tool_calls"])
+            ]
+        if m.get("role") == "tool":
+            m["tool_call_id"] = mistral_call_id(m.get("tool_call_id"), f"{i}")
+        out.append(m)
+    return out
+
+
 def parse_tool_calls(text: str, fmt: str | None) -> ParsedToolOutput:
     """Split a finished output into content and tool calls; an unknown or None `fmt` means
     the model has no tool-call format: everything is content."""
@@ -321,199 +404,6 @@ def parse_tool_calls(text: str, fmt: str | None) -> ParsedToolOutput:
         return _parse_hermes(text)
     if fmt == "llama3_json":
         return _parse_llama3(text)
+    if fmt == "mistral":
+        return _parse_mistral(text)
     return ParsedToolOutput(text or None)
-
-
-# ------------------------------------------------------------------ streaming
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-class ToolStreamParser:
-    """Incremental `parse_tool_calls`: `feed(delta)` returns the content that is safe to send
-    now; `finish()` returns the rest of the content and the tool calls. The pieces add up to
-    the one-shot result: "".join(feeds) + (finish().content or "") == parse_tool_calls(...)
-    .content or "".
-
-    Held back: trailing whitespace (content before a call is sent right-stripped) and any
-    tail that may begin a call marker (a partial "<tool_"); once a marker (hermes) or a
-    leading "{" (llama3_json) shows up, everything after it until finish().
-    """
-
-    def __init__(self, fmt: str | None) -> None:
-        self.fmt = fmt if fmt in TOOL_FORMATS else None
-        self._buf = ""  # text not yet sent: held content, or the call text
-        self._gap = ""  # whitespace dropped before a hermes marker (sent back on a fallback)
-        self._in_calls = False
-        self._sent_any = False  # some non-empty content has been returned by feed()
-        self._decided = self.fmt != "llama3_json"  # llama3: calls can only open the output
-
-    @property
-    def in_tool_calls(self) -> bool:
-        """A tool-call marker was seen: the rest of the output is being held."""
-        return self._in_calls
-
-    @property
-    def held(self) -> str:
-        """The text held since the first call marker ("" before one)."""
-        return self._buf if self._in_calls else ""
-
-    def feed(self, delta: str) -> str:
-        if self.fmt is None:
-            return delta
-        self._buf += delta
-        if self._in_calls:
-            return ""
-        if self.fmt == "hermes":
-            return self._feed_hermes()
-        return self._feed_llama3()
-
-    def _emit(self, text: str) -> str:
-        self._sent_any = self._sent_any or bool(text)
-        return text
-
-    def _feed_hermes(self) -> str:
-        start = self._buf.find(HERMES_OPEN)
-        if start >= 0:
-            head = self._buf[:start].rstrip()
-            self._gap = self._buf[len(head) : start]
-            self._buf, self._in_calls = self._buf[start:], True
-            return self._emit(head)
-        cut = len(self._buf) - _partial_suffix(self._buf, HERMES_OPEN)
-        while cut > 0 and self._buf[cut - 1].isspace():
-            cut -= 1
-        out, self._buf = self._buf[:cut], self._buf[cut:]
-        return self._emit(out)
-
-    def _feed_llama3(self) -> str:
-        if self._decided:
-            out, self._buf = self._buf, ""
-            return self._emit(out)
-        body = self._buf.lstrip()
-        if not body or (PYTHON_TAG.startswith(body) and body != PYTHON_TAG):
-            return ""  # only whitespace or part of the tag so far: wait
-        if body.startswith(PYTHON_TAG) or body.startswith("{"):
-            self._in_calls = True
-            return ""
-        self._decided = True
-        out, self._buf = self._buf, ""
-        return self._emit(out)
-
-    def finish(self) -> ParsedToolOutput:
-        """The content not yet sent and the tool calls; the parser is spent afterwards."""
-        rest, self._buf = self._buf, ""
-        if not self._in_calls:
-            return ParsedToolOutput(rest or None)
-        if self.fmt == "llama3_json":
-            return _parse_llama3(rest)
-        parsed = _hermes_calls(rest)
-        if parsed is None:
-            return ParsedToolOutput(self._gap + rest)
-        calls, extras = parsed
-        text = "\n".join(extras)
-        if text and self._sent_any:
-            text = "\n" + text
-        return ParsedToolOutput(text or None, calls)
-
-
-# ------------------------------------------------------------------ forced calls, streamed
-
-# One call, up to its arguments: a "required" item (the schema lists "name" first) or a
-# Hermes block's JSON ({"name", "arguments"}, as auto_tools_grammar writes it).
-_CALL_HEAD = re.compile(
-    r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:parameters|arguments)"\s*:\s*'
-)
-
-
-def _object_end(text: str, start: int) -> int | None:
-    """The index just past the JSON object that opens at or after `start`, or None while it
-    is still open (strings and escapes skipped, so braces inside them do not count)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-            continue
-        if ch == '"':
-            in_string = True
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
-class ForcedCallParser:
-    """A forced call's text, as it is generated, as OpenAI tool-call deltas: for each call its
-    id, type and name first (arguments ""), then argument fragments as they arrive. The text
-    is the arguments object (a named function), a JSON array of {"name", "parameters"}
-    ("required"), or Hermes blocks under auto_tools_grammar (`tool_choice` None). `calls()`
-    gives the calls so far: a call the length limit cut keeps the arguments written until
-    then, as OpenAI returns them."""
-
-    def __init__(self, tool_choice: Any) -> None:
-        self.named = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
-        self.text = ""
-        self._calls: list[dict[str, Any]] = []  # id, name, start, end (None: open), sent
-        self._scan = 0  # "required": where the next item is looked for
-
-    def feed(self, delta: str) -> list[dict[str, Any]]:
-        self.text += delta
-        if self.named is not None:
-            if not self._calls and self.text.strip():
-                self._calls.append(self._call(self.named, 0))
-        else:
-            self._advance()
-        return self._deltas()
-
-    @staticmethod
-    def _call(name: str, start: int) -> dict[str, Any]:
-        call_id = f"call_{uuid.uuid4().hex[:24]}"
-        return {"id": call_id, "name": name, "start": start, "end": None, "sent": -1}
-
-    def _advance(self) -> None:
-        while True:
-            if self._calls and self._calls[-1]["end"] is None:
-                end = _object_end(self.text, self._calls[-1]["start"])
-                if end is None:
-                    return
-                self._calls[-1]["end"] = self._scan = end
-            head = _CALL_HEAD.search(self.text, self._scan)
-            if head is None:
-                return
-            self._calls.append(self._call(head.group(1), head.end()))
-
-    def _arguments(self, call: dict[str, Any]) -> str:
-        end = call["end"] if call["end"] is not None else len(self.text)
-        return self.text[call["start"] : end].strip()
-
-    def _deltas(self) -> list[dict[str, Any]]:
-        out = []
-        for i, call in enumerate(self._calls):
-            args = self._arguments(call)
-            if call["sent"] < 0:
-                fn = {"name": call["name"], "arguments": ""}
-                out.append({"index": i, "id": call["id"], "type": "function", "function": fn})
-                call["sent"] = 0
-            if len(args) > call["sent"]:
-                out.append({"index": i, "function": {"arguments": args[call["sent"] :]}})
-                call["sent"] = len(args)
-        return out
-
-    def calls(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "id": c["id"],
-                "type": "function",
-                "function": {"name": c["name"], "arguments": self._arguments(c)},
-            }
-            for c in self._calls
-        ]

@@ -53,6 +53,7 @@ class FakeWorker:
         delay_s: float = 0.0,
         partner: FakeWorker | None = None,
         free_blocks: int = 100,
+        script: list[int] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.role = role
@@ -61,6 +62,8 @@ class FakeWorker:
         self.delay_s = delay_s
         self.partner = partner
         self.free_blocks = free_blocks
+        # A fixed answer (its last id an EOS), finished "stop", in place of the echo.
+        self.script = script
         self.received: list[object] = []
         self.aborts: list[str] = []
         self.handoffs: list[tuple[str, int]] = []  # (request_id, first index) from a prefill
@@ -164,6 +167,8 @@ class FakeWorker:
     ) -> _Job:
         n = max_tokens if self.mode != "overrun" else max_tokens + 50
         out = echo_tokens(prompt, n)
+        if self.script is not None:
+            out, n = self.script, len(self.script)
         msgs: list[TokenMessage] = []
         if self.mode == "silent":
             return _Job(rid, reply_to, [])
@@ -178,6 +183,8 @@ class FakeWorker:
             toks = out[i : i + self.chunk]
             last = i + self.chunk >= n
             finish = "length" if last and self.mode != "overrun" else None
+            if last and self.script is not None:
+                finish = "stop"
             msgs.append(TokenMessage(rid, i, toks, finish_reason=finish, worker_id=self.worker_id))
         if self.mode == "gap":
             msgs = msgs[1:]  # the first message is lost

@@ -14,7 +14,8 @@ import pytest
 from router.generic_tools import messages_with_tools
 from router.openai_api import RequestParser
 from router.responses import tool_message
-from router.tools import ForcedCallParser, tool_choice_constraint
+from router.tool_stream import ForcedCallParser
+from router.tools import tool_choice_constraint
 
 # A ChatML template with no tool support at all (it drops `tools` and `tool_calls`).
 PLAIN = (

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from router.tool_stream import ToolStreamParser
 from router.tools import (
     ParsedToolOutput,
-    ToolStreamParser,
     detect_tool_format,
     parse_tool_calls,
     tool_choice_constraint,
@@ -247,11 +247,35 @@ LLAMA_CASES = [
     ("<|python", "<|python", []),
 ]
 
-
-@pytest.mark.parametrize(
-    ("fmt", "text", "content", "calls"),
-    [("hermes", *c) for c in HERMES_CASES] + [("llama3_json", *c) for c in LLAMA_CASES],
+MISTRAL_CASES = [
+    ("Paris is sunny.", "Paris is sunny.", []),
+    (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (  # several calls, an id the model copied from its training, and prose before them
+        'Let me check. [TOOL_CALLS][{"name": "get_time", "arguments": {}, "id": "a1b2c3d4e"}, '
+        '{"name": "search", "arguments": {"q": "x"}}]',
+        "Let me check.",
+        [("get_time", {}), ("search", {"q": "x"})],
+    ),
+    ('[TOOL_CALLS] {"name": "get_time", "arguments": {}}\n', None, [("get_time", {})]),
+    # Not calls: broken JSON, trailing junk, no name, an empty list: all content.
+    ('[TOOL_CALLS] [{"name": "get_time", "arguments": {',) * 2 + ([],),
+    ('[TOOL_CALLS] [{"name": "get_time", "arguments": {}}] and more',) * 2 + ([],),
+    ('[TOOL_CALLS] [{"arguments": {}}]',) * 2 + ([],),
+    ("[TOOL_CALLS] []",) * 2 + ([],),
+    ("[TOOL_ is not a call", "[TOOL_ is not a call", []),
+]
+ALL_CASES = (
+    [("hermes", *c) for c in HERMES_CASES]
+    + [("llama3_json", *c) for c in LLAMA_CASES]
+    + [("mistral", *c) for c in MISTRAL_CASES]
 )
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), ALL_CASES)
 def test_parse_tool_calls(fmt, text, content, calls):
     out = parse_tool_calls(text, fmt)
     assert out.content == content
@@ -273,10 +297,7 @@ def _stream(fmt: str, pieces: list[str]) -> tuple[str, ParsedToolOutput]:
     return sent, parser.finish()
 
 
-@pytest.mark.parametrize(
-    ("fmt", "text"),
-    [("hermes", c[0]) for c in HERMES_CASES] + [("llama3_json", c[0]) for c in LLAMA_CASES],
-)
+@pytest.mark.parametrize(("fmt", "text"), [c[:2] for c in ALL_CASES])
 def test_streamed_pieces_add_up_to_the_one_shot_result(fmt, text):
     whole = parse_tool_calls(text, fmt)
     splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
@@ -295,6 +316,11 @@ FRAGMENTS = [
     "<",
     "<|python_tag|>",
     "<|py",
+    "[TOOL_CALLS]",
+    "[TOOL_",
+    "[",
+    "]",
+    '{"name": "search", "arguments": {"q": "x"}}',
     "\n",
     "  ",
     "Hi",
@@ -311,7 +337,7 @@ FRAGMENTS = [
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(
-    fmt=st.sampled_from(["hermes", "llama3_json"]),
+    fmt=st.sampled_from(["hermes", "llama3_json", "mistral"]),
     parts=st.lists(st.sampled_from(FRAGMENTS), max_size=8),
     cuts=st.lists(st.integers(0, 200), max_size=6),
 )
@@ -366,6 +392,22 @@ def test_detect_tool_format():
     llama32 = 'Respond in the format {"name": function name, "parameters": dictionary of argument'
     assert detect_tool_format(llama32) == "llama3_json"
     assert detect_tool_format({"default": "x", "tool_use": "<tool_call>"}) == "hermes"
+    assert detect_tool_format("{{- '[TOOL_CALLS] [' }}") == "mistral"
+
+
+def test_mistral_call_ids_are_nine_characters_and_map_alike():
+    from router.tools import mistral_call_id, with_mistral_call_ids
+
+    assert mistral_call_id("a1b2c3d4e", "0") == "a1b2c3d4e"  # already Mistral's shape
+    ids = {mistral_call_id(f"call_{i}", "0") for i in range(200)}
+    assert len(ids) == 200 and all(len(i) == 9 and i.isalnum() for i in ids)
+    messages = with_mistral_call_ids([
+        {"role": "assistant", "tool_calls": [{"id": "call_x", "function": {}}, {"function": {}}]},
+        {"role": "tool", "tool_call_id": "call_x", "content": "1"},
+    ])  # fmt: skip
+    call_id = messages[0]["tool_calls"][0]["id"]
+    assert messages[1]["tool_call_id"] == call_id and len(call_id) == 9
+    assert len(messages[0]["tool_calls"][1]["id"]) == 9  # a legacy function_call has none
 
 
 @pytest.fixture(scope="module")
