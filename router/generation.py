@@ -217,7 +217,7 @@ class Generation:
             raise APIError(503, f"{e}; try again later", code="no_workers") from e
         ctx.metrics.disagg.labels(path=plan.path).inc()
         if ctx.signals is not None:
-            ctx.signals.note_route(plan.path)
+            ctx.signals.note_route(plan.path, len(self.parsed.prompt_ids), plan.computed_tokens)
         self.placement = Placement(
             plan.path, (plan.prefill or plan.decode).worker_id, plan.decode.worker_id
         )

@@ -117,6 +117,9 @@ class RoutePlan:
     prefill: WorkerInfo | None = None
     decode_hit_tokens: int = 0  # prompt tokens the decode worker holds (kv-events routing)
     prefill_hit_tokens: int = 0
+    # Prompt tokens the worker that prefills will compute, as the KV index sees its cache
+    # (kv-events routing; None where the router does not know: affinity routing).
+    computed_tokens: int | None = None
 
 
 class NoWorkersError(RuntimeError):
@@ -296,9 +299,18 @@ def plan_route_kv(
     decode_hit = hits[decode.worker_id][0]
     # The tokens the decode worker lacks decide: it would compute only those locally.
     if decide_path(n - decode_hit, disagg_threshold, len(prefills)) == LOCAL:
-        return RoutePlan(LOCAL, decode.info, decode_hit_tokens=decode_hit)
+        computed = _known(index, decode, n - decode_hit)
+        return RoutePlan(LOCAL, decode.info, decode_hit_tokens=decode_hit, computed_tokens=computed)
     prefill = choose_prefill_kv(prefills, n, hits)
-    return RoutePlan(REMOTE, decode.info, prefill.info, decode_hit, hits[prefill.worker_id][0])
+    prefill_hit = hits[prefill.worker_id][0]
+    computed = _known(index, prefill, n - prefill_hit)
+    return RoutePlan(REMOTE, decode.info, prefill.info, decode_hit, prefill_hit, computed)
+
+
+def _known(index: KVIndex, s: WorkerState, computed: int) -> int | None:
+    """`computed` when the index holds the worker's cache as it is (synced), else None: a
+    worker not heard from yet (or resyncing) would look like one that holds nothing."""
+    return computed if index.is_synced(s.worker_id) else None
 
 
 log = logging.getLogger(__name__)

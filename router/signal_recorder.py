@@ -21,7 +21,12 @@ looked-up prompt tokens the prefix cache served; this router's arrived prompt to
 rest is its uncached share. A share, not a plain difference, because several routers may front
 the same workers: their hits are every router's. Without query counters the hits' increase is
 subtracted (clamped at 0). A worker whose counter went down was restarted (its count restarts
-at 0); a worker first seen after `begin()` counts from 0.
+at 0); a worker first seen after `begin()` counts from 0. Under `--routing kv-events` the router
+knows more, per request: the tokens the chosen worker's cache lacks (`note_route`'s
+`computed`), which the window counts for the prompts it routed; the counters' share then
+covers only the rest (prompts refused or not yet routed). The counters cannot tell a decode
+worker's lookups for prompts it will READ (which miss by design) from real misses; the index
+can.
 
 `SignalReporter` runs every `signal_interval_s`: it takes the window, awaits the directory's
 `report_signals(router_id, window_dict)` if it has one, and fetches `planner_status()` for the
@@ -176,6 +181,7 @@ class SignalRecorder:
         self._prompts = LengthHistogram()
         self._outputs = LengthHistogram()
         self._local = 0
+        self._routed_tokens = self._computed_tokens = 0  # kv-events routing (note_route)
         self._finished = 0
         self._ttft = Reservoir(self._max_samples, self._rng)
         self._tpot = Reservoir(self._max_samples, self._rng)
@@ -210,10 +216,15 @@ class SignalRecorder:
         self._slot_tokens += tokens
         self._peak_1s = max(self._peak_1s, self._slot_tokens)
 
-    def note_route(self, path: str) -> None:
-        """The router placed a prompt: `path` LOCAL means prefilled on its decode worker."""
+    def note_route(self, path: str, prompt_tokens: int = 0, computed: int | None = None) -> None:
+        """The router placed a prompt: `path` LOCAL means prefilled on its decode worker;
+        `computed`: the tokens of its `prompt_tokens` the prefilling worker lacks, where the
+        router knows it (KV-events routing), else None."""
         if path == LOCAL:
             self._local += 1
+        if computed is not None:
+            self._routed_tokens += prompt_tokens
+            self._computed_tokens += max(0, min(computed, prompt_tokens))
 
     def note_first_token(self, ttft_s: float) -> None:
         self._ttft.add(ttft_s)
@@ -237,7 +248,8 @@ class SignalRecorder:
         now = self._clock() if now is None else now
         workers = list(self._workers())
         hits, queries = self._prefix.advance(workers)
-        uncached = uncached_tokens(self._arrived_tokens, hits, queries)
+        rest = max(0, self._arrived_tokens - self._routed_tokens)
+        uncached = self._computed_tokens + uncached_tokens(rest, hits, queries)
         window = WindowSignals(
             start_s=self._start,
             duration_s=max(now - self._start, 1e-6),  # a clock step back must not raise

@@ -131,9 +131,10 @@ class WindowSignals:
 
     Rates are per window (divide by `duration_s`); queue and KV numbers are the state at the
     window's end. `uncached_prompt_tokens` is the prompt tokens arriving minus prefix-cache
-    hits, `local_prefills` the arrivals prefilled on a decode worker (shorter than the
-    disaggregation threshold). Latencies are of the requests that got their first token
-    (TTFT) or finished (TPOT) in the window."""
+    hits (for prompts routed by the KV index: what the chosen worker lacks; otherwise the
+    workers' hit share; router/signal_recorder.py), `local_prefills` the arrivals prefilled
+    on a decode worker (shorter than the disaggregation threshold). Latencies are of the
+    requests that got their first token (TTFT) or finished (TPOT) in the window."""
 
     start_s: float
     duration_s: float

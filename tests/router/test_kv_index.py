@@ -191,10 +191,15 @@ def test_kv_routing_sends_a_prompt_where_its_prefix_is_held():
     # The decode worker holding 36 of 40 tokens lacks 4 < the threshold: prefilled there.
     plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
     assert (plan.path, plan.decode.worker_id, plan.decode_hit_tokens) == (LOCAL, "d1", 36)
+    assert plan.computed_tokens == 4  # what the planner's demand counts for it
     # A lower threshold sends it to the prefill pool, to the worker with the most cached.
     plan = plan_route_kv(view, prompt, index, disagg_threshold=2, decode_slack=0.25)
     assert (plan.path, plan.prefill.worker_id, plan.prefill_hit_tokens) == (REMOTE, "p1", 8)
+    assert plan.computed_tokens == 32
     # Affinity by hit has a limit: a holder much busier than the other loses.
     view.states["d1"].running = 32
     plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
     assert plan.decode.worker_id == "d0" and plan.path == REMOTE
+    # A worker the index has not synced looks empty, but that is not known: no demand figure.
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=100, decode_slack=0.25)
+    assert (plan.path, plan.decode.worker_id, plan.computed_tokens) == (LOCAL, "d0", None)

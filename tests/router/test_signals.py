@@ -384,6 +384,24 @@ def test_recorder_window_on_a_test_clock():
     assert rec.take_window().duration_s > 0
 
 
+def test_routed_prompts_count_what_the_kv_index_says_their_worker_lacks():
+    """Under kv-events routing the window's uncached tokens are, for the prompts it routed,
+    the tokens the chosen worker lacks; the counters' share covers the rest only. The
+    counters here say nothing hit (a decode worker's lookups for prompts it will READ)."""
+    workers = [_info("d0", "decode", extra={"prefix_hit_tokens": 0, "prefix_query_tokens": 0})]
+    rec = SignalRecorder(lambda: workers, _Queue(), clock=lambda: 100.0)
+    rec.begin()
+    rec.note_arrival([100, 50, 30])
+    rec.note_route("remote", 100, 40)  # the prefill worker holds 60 of 100
+    rec.note_route("local", 50, 0)  # the decode worker holds all 50
+    workers[0] = _info("d0", "decode", extra={"prefix_hit_tokens": 0, "prefix_query_tokens": 80})
+    w = rec.take_window()
+    assert w.uncached_prompt_tokens == 40 + 0 + 30  # the unrouted 30 at the counters' share
+    rec.note_arrival([20])
+    rec.note_route("local", 20)  # affinity routing: not known, the counters decide
+    assert rec.take_window().uncached_prompt_tokens == 20
+
+
 def test_recorder_keeps_the_peak_one_second_prompt_tokens():
     now = [100.0]
     rec = SignalRecorder(lambda: [], _Queue(), clock=lambda: now[0])
