@@ -38,9 +38,11 @@ def fuzz_model(make_tiny_model):
     return make_tiny_model("llama")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def server(fuzz_model, start_serve):  # noqa: F811 - the imported fixture
-    """Shared by a module's tests; it must still shut down cleanly (exit 0, nothing left)."""
+    """Shared by the package's modules (frames, then HTTP: the HTTP fuzz also proves the
+    frame fuzz left the server whole); it must still shut down cleanly (exit 0, nothing
+    left)."""
     with start_serve(fuzz_model, *SERVE_FLAGS) as sp:
         yield sp
 

@@ -1,4 +1,4 @@
-"""A live `tandem serve` per test module (the e2e `ServeProcess`), its OpenAI client, and the
+"""A live `tandem serve` for the package (the e2e `ServeProcess`), its OpenAI client, and the
 transformers reference on the same weights."""
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def reference(interop_model) -> Reference:
     return Reference.from_dir(interop_model)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def server(interop_model, start_serve):  # noqa: F811 - the imported fixture
-    """One `tandem serve` for the module; it must shut down cleanly (exit 0, nothing left)."""
+    """One `tandem serve` for the package's modules (started once: a start is ~15 s of the
+    suite); it must shut down cleanly (exit 0, nothing left). test_real_model.py has its own."""
     with start_serve(interop_model, *SERVE_FLAGS) as sp:
         yield sp
 
