@@ -47,6 +47,15 @@ class WorkerActor:
         from engine.llm_engine import EngineConfig, LLMEngine
         from engine.roles import DECODE, PREFILL, check_role
 
+        tp = engine_kwargs.get("tensor_parallel_size", 1)
+        if tp > 1:
+            # The ranks are this process's children (engine/distributed.py): they inherit the
+            # environment, so each gets the same core share, and with GPUs its own bundle's.
+            os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
+            if ray.get_gpu_ids():
+                from cluster.worker_launch import share_group_gpus
+
+                share_group_gpus(tp)
         engine = LLMEngine(EngineConfig(**engine_kwargs, role=check_role(role)))
         self.worker_id, self.role = worker_id, role
         self.incarnation = uuid.uuid4().hex

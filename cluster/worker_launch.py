@@ -10,15 +10,30 @@ Lifecycle of a launch: `launch_worker(spec, wid, role)` creates the named, resta
 resource (`tandem_prefill` / `tandem_decode` on clusters whose autoscaler adds nodes for
 them); its constructor loads the model and binds its sockets; the caller then reads
 `info()` and registers it with the controller.
+
+A worker is a tensor-parallel group of `tp` ranks (`WorkerSpec.tp`, per role). With tp > 1
+`place_worker` first creates its placement group `tandem-group-<id>`: one bundle per rank
+(one GPU, or the rank's CPU share, and one unit of the pool's resource), STRICT_PACK so every
+rank is on one node; the actor (rank 0) is scheduled into bundle 0, and starts ranks 1..N-1
+as its own subprocesses (engine/distributed.py) inside the bundles the group reserved; with
+GPUs, `share_group_gpus` makes the bundles' GPUs visible to them. A group that fits no node
+stays pending (Ray's autoscaler sees the whole group as demand and adds a node; the ranks are
+never spread), and the actor waits in it. The group is detached from whoever created it (the
+driver, or the controller, which Ray may restart) and named, so it outlives them and goes
+only by `remove_worker_group`: when the worker is drained, stopped or its start cancelled.
+Ray restarts a dead rank-0 actor in the same group (same node, same GPUs); a lost node's
+group is re-placed by Ray as a whole. With tp == 1 there is no group: one actor, as before.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 from engine.roles import DECODE, PREFILL
 
 WORKER_PREFIX = "tandem-worker-"
+GROUP_PREFIX = "tandem-group-"
 
 
 @dataclass(slots=True)
@@ -29,7 +44,7 @@ class WorkerSpec:
     quantization: dict[str, str]  # role -> EngineConfig.quantization
     bind_host: str
     use_gpu: bool
-    cpus_per_worker: float  # Ray CPUs each worker asks for (without a GPU)
+    cpus_per_worker: float  # Ray CPUs each rank asks for (without a GPU): a TP-N worker N x
     lease_seconds: float
     on_transfer_failure: str
     log_level: str
@@ -38,10 +53,17 @@ class WorkerSpec:
     max_restarts: int
     resources: dict[str, str] = field(default_factory=dict)  # role -> custom Ray resource
     faults: dict[str, dict] = field(default_factory=dict)  # role -> testing-only fault plan
+    tp: dict[str, int] = field(default_factory=dict)  # role -> ranks (GPUs) per worker; 1 if absent
 
     def __post_init__(self) -> None:
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker}")
+        for role, n in self.tp.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"tp[{role!r}] must be an integer >= 1, got {n!r}")
+
+    def tp_size(self, role: str) -> int:
+        return self.tp.get(role, 1)
 
     @property
     def num_threads(self) -> int:
@@ -55,7 +77,24 @@ class WorkerSpec:
     def from_dict(cls, d: dict) -> WorkerSpec:
         return cls(**d)
 
-    def actor_options(self, worker_id: str, role: str) -> dict:
+    def _rank_resources(self, role: str) -> dict[str, float]:
+        """What one rank holds: a GPU (and a CPU for its host side), or its CPU share; and one
+        unit of the pool's custom resource (the node types advertise one unit per GPU)."""
+        one: dict[str, float] = {"GPU": 1, "CPU": 1} if self.use_gpu else {}
+        if not self.use_gpu:
+            one["CPU"] = self.cpus_per_worker
+        resource = self.resources.get(role) if role in (PREFILL, DECODE) else None
+        if resource:
+            one[resource] = 1
+        return one
+
+    def bundles(self, role: str) -> list[dict[str, float]]:
+        """The placement group of a worker of `role`: one bundle per rank."""
+        return [self._rank_resources(role) for _ in range(self.tp_size(role))]
+
+    def actor_options(self, worker_id: str, role: str, group=None) -> dict:
+        """Ray options of the worker actor (rank 0); `group`: its placement group (tp > 1),
+        whose bundle 0 it is scheduled into, asking exactly that bundle's resources."""
         opts: dict = {
             "name": f"{WORKER_PREFIX}{worker_id}",
             # watch (always open), load polls, set_peers, drain, stop: never queued.
@@ -65,14 +104,92 @@ class WorkerSpec:
             "max_restarts": self.max_restarts,
             "max_task_retries": 0,
         }
-        if self.use_gpu:
-            opts.update(num_gpus=1, num_cpus=1)
-        else:
-            opts["num_cpus"] = self.cpus_per_worker
-        resource = self.resources.get(role) if role in (PREFILL, DECODE) else None
-        if resource:
-            opts["resources"] = {resource: 1}
+        mine = self._rank_resources(role)
+        opts["num_cpus"] = mine.pop("CPU")
+        if "GPU" in mine:
+            opts["num_gpus"] = mine.pop("GPU")
+        if mine:
+            opts["resources"] = mine
+        if group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            # Rank 0 in bundle 0; its own tasks (the GPU probes) name their bundles.
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                group, placement_group_bundle_index=0, placement_group_capture_child_tasks=False
+            )
         return opts
+
+
+def place_worker(spec: WorkerSpec, worker_id: str, role: str) -> dict:
+    """The actor options of a worker, after creating its placement group when it is a TP
+    group (not waiting for it: the actor waits in it). A group left under this name (a worker
+    of this id drained while its group's removal failed) is replaced: a new worker never
+    starts in a reservation it did not ask for."""
+    if spec.tp_size(role) == 1:
+        return spec.actor_options(worker_id, role)
+    from ray.util.placement_group import placement_group
+
+    remove_worker_group(worker_id)
+    group = placement_group(
+        spec.bundles(role),
+        strategy="STRICT_PACK",
+        name=GROUP_PREFIX + worker_id,
+        lifetime="detached",
+    )
+    return spec.actor_options(worker_id, role, group)
+
+
+def remove_worker_group(worker_id: str) -> bool:
+    """Remove the worker's placement group (killing what still runs in it), so its node's
+    resources are free again; False if it has none."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        group = get_placement_group(GROUP_PREFIX + worker_id)
+    except ValueError:  # no such group: a TP-1 worker, or removed already
+        return False
+    remove_placement_group(group)
+    return True
+
+
+def share_group_gpus(tp: int) -> list[str]:
+    """In rank 0 (the actor), before CUDA starts: make the GPUs of every bundle of its group
+    visible, in bundle order, so that the ranks it starts (subprocesses that inherit the
+    environment; rank r takes cuda:r) each get their own bundle's GPU. Returns the list.
+
+    Why not one actor asking for N GPUs: an actor draws its resources from a single bundle,
+    and one bundle per rank is what lets Ray account (and the autoscaler plan) per GPU and
+    STRICT_PACK guarantee the node. Ray sets CUDA_VISIBLE_DEVICES of a process to the GPUs
+    of its own bundle only, so rank 0 asks each other bundle for its GPU id with a probe task
+    scheduled there (the bundle's GPU is fixed when the group is placed); as vLLM's Ray
+    executor does with one actor per bundle."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    own = [str(g) for g in ray.get_gpu_ids()]
+    if group is None or tp == 1:
+        return own
+
+    def probe(i: int):
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+        task = ray.remote(_gpu_ids_task).options(
+            num_gpus=1, num_cpus=0, scheduling_strategy=strategy
+        )
+        return task.remote()
+
+    others = ray.get([probe(i) for i in range(1, tp)], timeout=120)
+    ids = own + [str(g) for ids in others for g in ids]
+    if len(set(ids)) != tp:
+        raise RuntimeError(f"a TP-{tp} group's bundles gave GPUs {ids}, not {tp} distinct ones")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    return ids
+
+
+def _gpu_ids_task() -> list:
+    import ray
+
+    return ray.get_gpu_ids()
 
 
 def launch_worker(spec: WorkerSpec, worker_id: str, role: str):
@@ -81,13 +198,18 @@ def launch_worker(spec: WorkerSpec, worker_id: str, role: str):
 
     from cluster.worker_actor import WorkerActor
 
+    engine_kwargs = {
+        **spec.engine_kwargs,
+        "quantization": spec.quantization.get(role, "auto"),
+        "tensor_parallel_size": spec.tp_size(role),
+    }
     return (
         ray.remote(WorkerActor)
-        .options(**spec.actor_options(worker_id, role))
+        .options(**place_worker(spec, worker_id, role))
         .remote(
             worker_id,
             role,
-            {**spec.engine_kwargs, "quantization": spec.quantization.get(role, "auto")},
+            engine_kwargs,
             spec.bind_host,
             spec.num_threads,
             spec.lease_seconds,
