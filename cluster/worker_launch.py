@@ -77,6 +77,15 @@ class WorkerSpec:
     def from_dict(cls, d: dict) -> WorkerSpec:
         return cls(**d)
 
+    def engine_config(self, role: str) -> dict:
+        """EngineConfig fields of a worker of `role`: the shared ones, its pool's weights and
+        its TP size."""
+        return {
+            **self.engine_kwargs,
+            "quantization": self.quantization.get(role, "auto"),
+            "tensor_parallel_size": self.tp_size(role),
+        }
+
     def _rank_resources(self, role: str) -> dict[str, float]:
         """What one rank holds: a GPU (and a CPU for its host side), or its CPU share; and one
         unit of the pool's custom resource (the node types advertise one unit per GPU)."""
@@ -198,18 +207,13 @@ def launch_worker(spec: WorkerSpec, worker_id: str, role: str):
 
     from cluster.worker_actor import WorkerActor
 
-    engine_kwargs = {
-        **spec.engine_kwargs,
-        "quantization": spec.quantization.get(role, "auto"),
-        "tensor_parallel_size": spec.tp_size(role),
-    }
     return (
         ray.remote(WorkerActor)
         .options(**place_worker(spec, worker_id, role))
         .remote(
             worker_id,
             role,
-            engine_kwargs,
+            spec.engine_config(role),
             spec.bind_host,
             spec.num_threads,
             spec.lease_seconds,
