@@ -1,6 +1,7 @@
-"""`tandem plan`'s roofline of a TP-N worker: the weights and the KV split over N GPUs, and two
-all-reduces per layer per step (the row-parallel projections), as cluster/planner/roofline.py
-states them; the profile says how many GPUs the worker holds."""
+"""A worker of N GPUs in planning: `tandem plan`'s roofline of a TP-N worker (the weights and the
+KV split over N GPUs, two all-reduces per layer per step: cluster/planner/roofline.py), the
+capacity profile that carries N (measured or planned), and `tandem serve --autoscale` refusing
+a profile of another TP size."""
 
 from __future__ import annotations
 
@@ -45,3 +46,32 @@ def test_a_tp_profile_carries_its_gpus_and_pays_the_all_reduces():
     # Every prefill point pays the all-reduces of its tokens.
     tokens, seconds = tp8.prefill_points[-1]
     assert seconds > fixed + per_token * tokens
+
+
+def test_the_capacity_run_measures_and_serves_workers_of_its_tp_size():
+    from bench.capacity import engine_config
+    from bench.capacity_config import CapacityConfig
+    from bench.capacity_live import serve_flags
+
+    cfg = CapacityConfig(model="m", tp=2, threads=1)
+    assert engine_config(cfg, "colocated").tensor_parallel_size == 2
+    flags = serve_flags(cfg)
+    assert flags[flags.index("--prefill-tp") + 1] == flags[flags.index("--decode-tp") + 1] == "2"
+    assert flags[flags.index("--num-cpus") + 1] == "4"  # a core share per rank
+    with pytest.raises(ValueError, match="tp"):
+        CapacityConfig(model="m", tp=0)
+
+
+def test_plan_writes_a_profile_of_a_tp_worker_and_serve_checks_it(tmp_path):
+    from cluster import cli
+    from cluster.settings import ServeSettings
+
+    out = tmp_path / "tp4.json"
+    argv = ["plan", "--model", "llama-3-70b", "--gpu", "h100", "--tp", "4", "--out", str(out)]
+    assert cli.main(argv) == 0
+    auto = {"autoscale": True, "capacity_profile": str(out), "planner": {"gpu_budget": 32}}
+    s = ServeSettings(model="/m", prefill_tp=4, decode_tp=4, **auto)
+    assert s.capacity_profile_data().gpus_per_worker == 4
+    assert s.planner_config().budget_gpus({"prefill": 4, "decode": 4}) == 32
+    with pytest.raises(ValueError, match="describes a worker of 4 GPU"):
+        ServeSettings(model="/m", prefill_tp=2, decode_tp=1, **auto)
