@@ -406,3 +406,13 @@ def with_local_profile(argv: list[str], profile: Path) -> list[str]:
     if "--capacity-profile" in out:
         out[out.index("--capacity-profile") + 1] = str(profile)
     return out
+
+
+def comment_flag_spans(path: Path) -> list[str]:
+    """The `--flag ...` spans (in backticks) of the YAML's comments, lines joined."""
+    comments = " ".join(
+        ln.strip().lstrip("#").strip()
+        for ln in path.read_text().splitlines()
+        if ln.lstrip().startswith("#")
+    )
+    return [span for span in re.findall(r"`([^`]+)`", comments) if span.startswith("--")]
