@@ -170,11 +170,27 @@ class Deployment:
 
     def _start_workers(self, spec: WorkerSpec) -> None:
         pools = self.s.pools()
+        if self._started_ray and spec.use_gpu:
+            self._check_local_gpus(spec, {role for _, role in pools})
         for wid, role in pools:
             self.actors[wid] = launch_worker(spec, wid, role)
         print(
             f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})", flush=True
         )
+
+    def _check_local_gpus(self, spec: WorkerSpec, roles: set[str]) -> None:
+        """On the one-node Ray this deployment started (no autoscaler to add a node), a TP
+        group needing more GPUs than the node has would wait forever: refuse it now."""
+        import ray
+
+        from cluster.settings import ServeSettings
+
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        for role in sorted(roles):
+            n = spec.tp_size(role)
+            if n > gpus:
+                flag = ServeSettings.tp_flag(role)
+                raise ValueError(f"{flag} {n} needs {n} GPUs on one node; this machine has {gpus}")
 
     def _start_router(self) -> None:
         from cluster.directory import ControllerDirectory

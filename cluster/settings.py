@@ -248,6 +248,11 @@ class ServeSettings:
         """Ranks (GPUs) of one worker of `role`."""
         return {PREFILL: self.prefill_tp, DECODE: self.decode_tp, COLOCATED: self.tp}[role]
 
+    @staticmethod
+    def tp_flag(role: str) -> str:
+        """The flag that sets the TP size of a worker of `role`."""
+        return "--tp" if role == COLOCATED else f"--{role}-tp"
+
     def check_tp(self) -> None:
         """Refuse, before any worker starts, a TP size the model or the engine cannot run: the
         engine's own checks (engine.models.parallel: heads, KV heads and MLP width divisible;
@@ -263,7 +268,7 @@ class ServeSettings:
         load_format = self.engine.get("load_format", field_default(EngineConfig, "load_format"))
         for role in sorted(roles):
             n = self.tp_size(role)
-            flag = "--tp" if role == COLOCATED else f"--{role}-tp"
+            flag = self.tp_flag(role)
             try:
                 check_tp_settings(n, role, load_format)
                 check_tp(mc, n)

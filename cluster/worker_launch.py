@@ -16,18 +16,18 @@ A worker is a tensor-parallel group of `tp` ranks (`WorkerSpec.tp`, per role). W
 (one GPU, or the rank's CPU share, and one unit of the pool's resource), STRICT_PACK so every
 rank is on one node; the actor (rank 0) is scheduled into bundle 0, and starts ranks 1..N-1
 as its own subprocesses (engine/distributed.py) inside the bundles the group reserved; with
-GPUs, `share_group_gpus` makes the bundles' GPUs visible to them. A group that fits no node
-stays pending (Ray's autoscaler sees the whole group as demand and adds a node; the ranks are
-never spread), and the actor waits in it. The group is detached from whoever created it (the
-driver, or the controller, which Ray may restart) and named, so it outlives them and goes
-only by `remove_worker_group`: when the worker is drained, stopped or its start cancelled.
-Ray restarts a dead rank-0 actor in the same group (same node, same GPUs); a lost node's
-group is re-placed by Ray as a whole. With tp == 1 there is no group: one actor, as before.
+GPUs, `cluster.worker_actor.share_group_gpus` makes the bundles' GPUs visible to them. A
+group that fits no node stays pending (Ray's autoscaler sees the whole group as demand and
+adds a node; the ranks are never spread), and the actor waits in it. The group is detached
+from whoever created it (the driver, or the controller, which Ray may restart) and named, so
+it outlives them and goes only by `remove_worker_group`: when the worker is drained, stopped
+or its start cancelled. Ray restarts a dead rank-0 actor in the same group (same node, same
+GPUs); a lost node's group is re-placed by Ray as a whole. With tp == 1 there is no group:
+one actor, as before.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 
 from engine.roles import DECODE, PREFILL
@@ -159,46 +159,6 @@ def remove_worker_group(worker_id: str) -> bool:
         return False
     remove_placement_group(group)
     return True
-
-
-def share_group_gpus(tp: int) -> list[str]:
-    """In rank 0 (the actor), before CUDA starts: make the GPUs of every bundle of its group
-    visible, in bundle order, so that the ranks it starts (subprocesses that inherit the
-    environment; rank r takes cuda:r) each get their own bundle's GPU. Returns the list.
-
-    Why not one actor asking for N GPUs: an actor draws its resources from a single bundle,
-    and one bundle per rank is what lets Ray account (and the autoscaler plan) per GPU and
-    STRICT_PACK guarantee the node. Ray sets CUDA_VISIBLE_DEVICES of a process to the GPUs
-    of its own bundle only, so rank 0 asks each other bundle for its GPU id with a probe task
-    scheduled there (the bundle's GPU is fixed when the group is placed); as vLLM's Ray
-    executor does with one actor per bundle."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    group = ray.util.get_current_placement_group()
-    own = [str(g) for g in ray.get_gpu_ids()]
-    if group is None or tp == 1:
-        return own
-
-    def probe(i: int):
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-        task = ray.remote(_gpu_ids_task).options(
-            num_gpus=1, num_cpus=0, scheduling_strategy=strategy
-        )
-        return task.remote()
-
-    others = ray.get([probe(i) for i in range(1, tp)], timeout=120)
-    ids = own + [str(g) for ids in others for g in ids]
-    if len(set(ids)) != tp:
-        raise RuntimeError(f"a TP-{tp} group's bundles gave GPUs {ids}, not {tp} distinct ones")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    return ids
-
-
-def _gpu_ids_task() -> list:
-    import ray
-
-    return ray.get_gpu_ids()
 
 
 def launch_worker(spec: WorkerSpec, worker_id: str, role: str):

@@ -6,8 +6,9 @@ a stop or a cancelled start does) frees its node, and a restarted rank 0 comes b
 group.
 
 The actor here is a trivial stand-in for `WorkerActor` (no model is loaded), created with the
-options `cluster.worker_launch.place_worker` returns, and it calls `share_group_gpus` as the
-worker does: the placement code is the real worker's, only the payload differs."""
+options `cluster.worker_launch.place_worker` returns, and it calls
+`cluster.worker_actor.share_group_gpus` as the worker does: the placement code is the real
+worker's, only the payload differs."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class RankZero:
     """What WorkerActor does about placement, and nothing else."""
 
     def __init__(self, tp: int):
-        from cluster.worker_launch import share_group_gpus
+        from cluster.worker_actor import share_group_gpus
 
         self.gpus = share_group_gpus(tp)
 
@@ -181,3 +182,16 @@ def test_groups_pack_wait_and_free(cluster):
     for wid in ("prefill-1", "prefill-2"):
         assert remove_worker_group(wid)
     assert _wait(lambda: sorted(_free_gpus().values()) == [3.0, 3.0])
+
+
+def test_a_local_ray_refuses_a_group_larger_than_its_gpus(cluster):
+    """On a Ray it started itself (one node, no autoscaler) a deployment refuses at start a
+    TP group that would wait forever: here 8 GPUs asked, 6 in the cluster."""
+    from cluster.deployment import Deployment
+    from cluster.settings import ServeSettings
+    from engine.roles import COLOCATED
+
+    dep = Deployment(ServeSettings(model="/m", mode="colocated", tp=8))
+    with pytest.raises(ValueError, match="--tp 8 needs 8 GPUs on one node; this machine has 6"):
+        dep._check_local_gpus(_spec(tp={COLOCATED: 8}), {COLOCATED})
+    dep._check_local_gpus(_spec(tp={COLOCATED: 2}), {COLOCATED})
