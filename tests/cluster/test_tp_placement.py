@@ -77,11 +77,11 @@ def cluster():
     # Ray's workers import RankZero from this file (never pickled by value).
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), old]))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    nodes = [
-        c.add_node(num_cpus=3, num_gpus=GPUS_PER_NODE, resources={"tandem_prefill": 3})
-        for _ in range(2)
-    ]
+    # Two nodes of 3 fake GPUs and 3 units of tandem_prefill each (the head is one of them:
+    # a raylet fewer to start).
+    node = {"num_cpus": 3, "num_gpus": GPUS_PER_NODE, "resources": {"tandem_prefill": 3}}
+    c = Cluster(initialize_head=True, head_node_args=node)
+    nodes = [c.head_node, c.add_node(**node)]
     c.wait_for_nodes()
     ray.init(address=c.address, namespace="tandem-tp-test", logging_level="ERROR")
     yield c, {n.node_id for n in nodes}
