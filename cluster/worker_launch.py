@@ -131,14 +131,18 @@ class WorkerSpec:
 
 def place_worker(spec: WorkerSpec, worker_id: str, role: str) -> dict:
     """The actor options of a worker, after creating its placement group when it is a TP
-    group (not waiting for it: the actor waits in it). A group left under this name (a worker
-    of this id drained while its group's removal failed) is replaced: a new worker never
-    starts in a reservation it did not ask for."""
+    group (not waiting for it: the actor waits in it). A group left under this name with no
+    worker in it (one drained while its group's removal failed) is replaced: a new worker
+    never starts in a reservation it did not ask for."""
     if spec.tp_size(role) == 1:
         return spec.actor_options(worker_id, role)
+    import ray
     from ray.util.placement_group import placement_group
 
-    remove_worker_group(worker_id)
+    try:  # a live worker of this id keeps its group (its actor's name clash then fails)
+        ray.get_actor(WORKER_PREFIX + worker_id)
+    except ValueError:
+        remove_worker_group(worker_id)
     group = placement_group(
         spec.bundles(role),
         strategy="STRICT_PACK",
@@ -149,14 +153,21 @@ def place_worker(spec: WorkerSpec, worker_id: str, role: str) -> dict:
 
 
 def remove_worker_group(worker_id: str) -> bool:
-    """Remove the worker's placement group (killing what still runs in it), so its node's
-    resources are free again; False if it has none."""
+    """End a TP worker for good: its actor (if still there) and its placement group, so its
+    node's resources are free again; False if it has no group. The actor is killed first,
+    without restart: one left in a removed group would wait for it forever, holding its
+    name (found by test_tp_placement.py)."""
+    import ray
     from ray.util.placement_group import get_placement_group, remove_placement_group
 
     try:
         group = get_placement_group(GROUP_PREFIX + worker_id)
     except ValueError:  # no such group: a TP-1 worker, or removed already
         return False
+    try:
+        ray.kill(ray.get_actor(WORKER_PREFIX + worker_id), no_restart=True)
+    except ValueError:  # gone already (a drain kills it first)
+        pass
     remove_placement_group(group)
     return True
 

@@ -123,6 +123,14 @@ def _where_after_restart(actor, old_pid: int, timeout: float = 60.0) -> dict:
     raise AssertionError("rank 0 did not come back")
 
 
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        return False
+    return True
+
+
 def _wait(cond, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -182,6 +190,13 @@ def test_groups_pack_wait_and_free(cluster):
     for wid in ("prefill-1", "prefill-2"):
         assert remove_worker_group(wid)
     assert _wait(lambda: sorted(_free_gpus().values()) == [3.0, 3.0])
+
+    # The planner reuses the id of a drained worker: a fresh group under the same name, once
+    # the old actor's name is released (ray.kill is asynchronous).
+    assert _wait(lambda: not _named("tandem-worker-prefill-1"))
+    again = _start(spec, "prefill-1")
+    assert len(set(ray.get(again.where.remote(), timeout=60)["gpus"])) == 2
+    assert remove_worker_group("prefill-1")
 
 
 def test_a_local_ray_refuses_a_group_larger_than_its_gpus(cluster):
