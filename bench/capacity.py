@@ -97,6 +97,7 @@ def engine_config(cfg: CapacityConfig, role: str) -> Any:
         quantization=quant,
         seed=cfg.seed,
         role=role,
+        tensor_parallel_size=cfg.tp,
     )
 
 
@@ -210,6 +211,7 @@ def _assemble(cfg: CapacityConfig, w: dict, transfer: dict, process_s: float) ->
         max_batch_tokens=w["max_batch_tokens"],
         max_num_seqs=w["max_num_seqs"],
         startup_s=startup,
+        gpus_per_worker=cfg.tp,  # a profile of a TP-N worker plans in workers of N GPUs
         measurements=measurements,
     )
     for m in w["mixed"]:

@@ -33,6 +33,11 @@ class CapacityConfig:
     prefill_quantization: str = setting("auto", "projection weights of the prefill worker")
     decode_quantization: str = setting("auto", "projection weights of the decode worker")
     kv_dtype: str = setting("auto", "KV cache dtype (auto or fp8_e4m3)")
+    tp: int = setting(
+        1,
+        "tensor-parallel ranks (GPUs) of each measured worker: the profile describes a worker "
+        "of this many GPUs (its gpus_per_worker; tandem serve --prefill-tp/--decode-tp)",
+    )
     block_size: int = setting(16, "KV block size in tokens")
     max_num_batched_tokens: int = setting(2048, "token budget of one step")
     max_num_seqs: int = setting(256, "sequences per step")
@@ -64,7 +69,7 @@ class CapacityConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("threads", "repeats", "block_size", "max_num_batched_tokens"):
+        for name in ("threads", "repeats", "block_size", "max_num_batched_tokens", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs < 1:

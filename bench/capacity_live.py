@@ -46,7 +46,8 @@ PREFILL_SCALE_RANGE = (0.8, 1.5)
 
 def serve_flags(cfg: CapacityConfig) -> list[str]:
     """`tandem serve` flags that run the workers the profile measured."""
-    flags = ["--prefill", "1", "--decode", "1", "--num-cpus", str(2 * cfg.threads)]
+    flags = ["--prefill", "1", "--decode", "1", "--num-cpus", str(2 * cfg.threads * cfg.tp)]
+    flags += ["--prefill-tp", str(cfg.tp), "--decode-tp", str(cfg.tp)]
     flags += ["--disagg-threshold", str(cfg.disagg_threshold)]
     flags += ["--prefill-quantization", cfg.prefill_quantization]
     flags += ["--decode-quantization", cfg.decode_quantization]

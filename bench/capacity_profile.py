@@ -15,6 +15,10 @@ reads). The decode form is the roofline's: weights read once per step, a per-seq
 (sampling, activations) and a KV read that grows with every token of context.
 `request_overhead_s` is what a request pays outside the engine before its first token (router,
 dispatch, sockets), `token_overhead_s` what each later token pays on its way to the client.
+
+A worker may be a tensor-parallel group: `gpus_per_worker` is its TP size (`tandem profile
+--capacity --tp N`, `tandem plan --tp N`), and every figure is of the whole N-GPU worker. The
+planner counts a pool's GPUs as its workers x that pool's TP size (cluster/planner/config.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from bench.capacity_profile import CapacityProfile
 from cluster.planner.config import PlannerConfig
 from cluster.planner.policy import Planner
 from cluster.planner.types import DECODE_POOL, PREFILL_POOL, Decision, PoolCounts
-from cluster.worker_launch import WorkerSpec, launch_worker
+from cluster.worker_launch import WorkerSpec, launch_worker, remove_worker_group
 from engine.roles import DECODE, PREFILL
 from router.signals import WindowSignals, concat_windows, merge_windows
 
@@ -179,11 +179,11 @@ class Autoscaler:
                 flush=True,
             )
         except asyncio.CancelledError:
-            _kill(handle)
+            _kill(handle, wid)
             raise
         except Exception as e:  # noqa: BLE001 - no node, a bad start: the next tick decides
             log.error("planner could not start %s: %s", wid, e)
-            _kill(handle)
+            _kill(handle, wid)
         finally:
             self.starting.pop(wid, None)
 
@@ -277,12 +277,14 @@ def _index(wid: str) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
-def _kill(handle) -> None:
-    if handle is None:
-        return
+def _kill(handle, wid: str) -> None:
+    """End a start that was cancelled or failed: the actor, and its TP group's reservation
+    (which exists, pending or placed, even before the actor does)."""
     import ray
 
-    try:
-        ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-        pass
+    if handle is not None:
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    remove_worker_group(wid)

@@ -37,7 +37,7 @@ import time
 
 import ray
 
-from cluster.worker_launch import WORKER_PREFIX
+from cluster.worker_launch import WORKER_PREFIX, remove_worker_group
 
 log = logging.getLogger(__name__)
 CONTROLLER_NAME = "tandem-controller"
@@ -134,6 +134,7 @@ class Controller:
         self._forget(worker_id)
         await self._push_peers()
         ray.kill(w["handle"], no_restart=True)
+        remove_worker_group(worker_id)  # a TP group's node resources are free again
         return {"worker_id": worker_id, **result}
 
     # -- autoscaling -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict
 
 from cluster.settings import ServeSettings
-from cluster.worker_launch import WORKER_PREFIX, WorkerSpec, launch_worker
+from cluster.worker_launch import WORKER_PREFIX, WorkerSpec, launch_worker, remove_worker_group
 from engine.roles import COLOCATED, DECODE, PREFILL
 
 log = logging.getLogger("tandem.serve")
@@ -62,6 +62,8 @@ class Deployment:
 
         from cluster.controller import CONTROLLER_NAME, Controller
 
+        if not self.s.router_only:
+            self.s.check_tp()  # a TP size the model cannot split: refused before Ray starts
         self._init_ray()
         t0 = time.perf_counter()
         if self.s.router_only:
@@ -143,8 +145,8 @@ class Deployment:
 
         s = self.s
         resources = ray.cluster_resources()
-        # Each worker's CPU share: of the largest fleet the deployment may grow to.
-        fleet = max(len(s.pools()), s.max_workers())
+        # Each rank's CPU share: of the largest fleet (in ranks) the deployment may grow to.
+        fleet = max(sum(s.tp_size(role) for _, role in s.pools()), s.max_ranks())
         return WorkerSpec(
             engine_kwargs={"model": s.model, **s.engine},
             quantization={r: self._quantization(r) for r in (PREFILL, DECODE, COLOCATED)},
@@ -163,15 +165,32 @@ class Deployment:
                 if name
             },
             faults=s.fault_plans(),
+            tp={role: s.tp_size(role) for role in (PREFILL, DECODE, COLOCATED)},
         )
 
     def _start_workers(self, spec: WorkerSpec) -> None:
         pools = self.s.pools()
+        if self._started_ray and spec.use_gpu:
+            self._check_local_gpus(spec, {role for _, role in pools})
         for wid, role in pools:
             self.actors[wid] = launch_worker(spec, wid, role)
         print(
             f"tandem: starting {len(pools)} workers ({', '.join(r for _, r in pools)})", flush=True
         )
+
+    def _check_local_gpus(self, spec: WorkerSpec, roles: set[str]) -> None:
+        """On the one-node Ray this deployment started (no autoscaler to add a node), a TP
+        group needing more GPUs than the node has would wait forever: refuse it now."""
+        import ray
+
+        from cluster.settings import ServeSettings
+
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        for role in sorted(roles):
+            n = spec.tp_size(role)
+            if n > gpus:
+                flag = ServeSettings.tp_flag(role)
+                raise ValueError(f"{flag} {n} needs {n} GPUs on one node; this machine has {gpus}")
 
     def _start_router(self) -> None:
         from cluster.directory import ControllerDirectory
@@ -308,6 +327,11 @@ class Deployment:
                     ray.kill(a, no_restart=True)
                 except Exception:
                     pass
+        for wid in self.actors:  # TP groups are detached: they would outlive a shared cluster
+            try:
+                remove_worker_group(wid)
+            except Exception as e:  # noqa: BLE001 - shutting down anyway
+                log.warning("placement group of %s: %s", wid, e)
         self.actors.clear()
 
     def __enter__(self) -> Deployment:

@@ -169,6 +169,8 @@ def build_hardware(cfg: PlanConfig) -> Hardware:
         cfg.memory_gb or base.memory_gb,
         cfg.link_gbs or (base.link_gbs if base else 50.0),
         cfg.tp,
+        # The TP all-reduces' in-node link: the GPU's NVLink (else PCIe); custom: the KV link.
+        base.tp_link_gbs if base else None,
     )
 
 

@@ -19,6 +19,9 @@ from router.config import RouterConfig
 
 MODES = ("disagg", "colocated")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# A TP group is packed on one node (STRICT_PACK): no node has more GPUs than this today
+# (8 is the common maximum, 16 on a few), so a larger size is a typo, refused at once.
+MAX_TP = 16
 
 
 # RouterConfig fields that `tandem serve` sets itself (from its own settings or the engine's),
@@ -39,9 +42,13 @@ ROUTER_FIELDS_FROM_SERVE = frozenset(
     }
 )
 # PlannerConfig fields `tandem serve` sets from its own settings (one flag, one meaning).
-PLANNER_FIELDS_FROM_SERVE = frozenset({"disagg_threshold"})
+PLANNER_FIELDS_FROM_SERVE = frozenset(
+    {"disagg_threshold", "prefill_gpus_per_worker", "decode_gpus_per_worker"}
+)
 # EngineConfig fields a deployment sets per worker, never from the command line.
-ENGINE_FIELDS_FROM_SERVE = frozenset({"model", "role", "device", "quantization"})
+ENGINE_FIELDS_FROM_SERVE = frozenset(
+    {"model", "role", "device", "quantization", "tensor_parallel_size"}
+)
 
 
 def _router_default(name: str):
@@ -65,6 +72,11 @@ class ServeSettings:
     prefill: int = setting(1, "prefill actors (disagg)")
     decode: int = setting(1, "decode actors (disagg)")
     replicas: int = setting(2, "engine replicas (colocated)")
+    # Tensor parallelism per pool: a worker is a group of this many ranks (GPUs), packed on
+    # one node (cluster/worker_launch.py); the planner counts workers x TP GPUs.
+    prefill_tp: int = setting(1, f"GPUs (tensor-parallel ranks) per prefill worker, 1..{MAX_TP}")
+    decode_tp: int = setting(1, f"GPUs (tensor-parallel ranks) per decode worker, 1..{MAX_TP}")
+    tp: int = setting(1, f"GPUs (tensor-parallel ranks) per colocated replica, 1..{MAX_TP}")
     host: str = setting(_router_default("host"), "HTTP listen address")
     port: int = setting(_router_default("port"), "HTTP port (0: any free port)")
     address: str | None = setting(
@@ -160,6 +172,11 @@ class ServeSettings:
         for name in ("prefill", "decode", "replicas"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1")
+        for name in ("prefill_tp", "decode_tp", "tp"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_TP:
+                flag = name.replace("_", "-")
+                raise ValueError(f"--{flag} must be an integer in [1, {MAX_TP}], got {n!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.on_transfer_failure not in FAILURE_POLICIES:
@@ -201,7 +218,14 @@ class ServeSettings:
                 "--autoscale needs --capacity-profile (write one with `tandem profile "
                 "--capacity` on this hardware, or `tandem plan --out` for other hardware)"
             )
-        self.capacity_profile_data()  # unreadable or invalid: fail here, not in the controller
+        # Unreadable or invalid: fail here, not in the controller.
+        gpus = self.capacity_profile_data().gpus_per_worker
+        if gpus not in (self.prefill_tp, self.decode_tp):
+            raise ValueError(
+                f"--capacity-profile describes a worker of {gpus} GPU(s) (TP {gpus}), but the "
+                f"pools run --prefill-tp {self.prefill_tp} --decode-tp {self.decode_tp}: write "
+                "it at one of those (`tandem plan --tp N`, or profile a TP-N worker)"
+            )
         config = self.planner_config()
         for pool, n in (("prefill", self.prefill), ("decode", self.decode)):
             lo, hi = getattr(config, f"min_{pool}"), getattr(config, f"max_{pool}")
@@ -209,10 +233,47 @@ class ServeSettings:
                 raise ValueError(f"--{pool} {n} is outside the planner's bounds [{lo}, {hi}]")
 
     def planner_config(self):
-        """The planner's settings (cluster.planner.config.PlannerConfig) from `planner`."""
+        """The planner's settings (cluster.planner.config.PlannerConfig) from `planner`; it
+        counts a pool's GPUs as its workers x that pool's TP size."""
         from cluster.planner.config import PlannerConfig
 
-        return PlannerConfig(**self.planner, disagg_threshold=self.disagg_threshold)
+        return PlannerConfig(
+            **self.planner,
+            disagg_threshold=self.disagg_threshold,
+            prefill_gpus_per_worker=self.prefill_tp,
+            decode_gpus_per_worker=self.decode_tp,
+        )
+
+    def tp_size(self, role: str) -> int:
+        """Ranks (GPUs) of one worker of `role`."""
+        return {PREFILL: self.prefill_tp, DECODE: self.decode_tp, COLOCATED: self.tp}[role]
+
+    @staticmethod
+    def tp_flag(role: str) -> str:
+        """The flag that sets the TP size of a worker of `role`."""
+        return "--tp" if role == COLOCATED else f"--{role}-tp"
+
+    def check_tp(self) -> None:
+        """Refuse, before any worker starts, a TP size the model or the engine cannot run: the
+        engine's own checks (engine.models.parallel: heads, KV heads and MLP width divisible;
+        what TP does not support yet, by role), which would otherwise only fail inside each
+        worker's constructor, once per restart. Reads the model's config.json."""
+        from engine.config import ModelConfig
+        from engine.models.parallel import check_tp, check_tp_settings
+
+        roles = {role for _, role in self.pools()}
+        if all(self.tp_size(r) == 1 for r in roles):
+            return
+        mc = ModelConfig.from_pretrained(self.model)
+        load_format = self.engine.get("load_format", field_default(EngineConfig, "load_format"))
+        for role in sorted(roles):
+            n = self.tp_size(role)
+            flag = self.tp_flag(role)
+            try:
+                check_tp_settings(n, role, load_format)
+                check_tp(mc, n)
+            except ValueError as e:
+                raise ValueError(f"{flag} {n}: {e}") from e
 
     def capacity_profile_data(self):
         """The capacity profile (bench.capacity_profile.CapacityProfile) --autoscale sizes with."""
@@ -226,6 +287,13 @@ class ServeSettings:
             return len(self.pools())
         config = self.planner_config()
         return config.max_prefill + config.max_decode
+
+    def max_ranks(self) -> int:
+        """The most ranks (processes, each with a GPU or a CPU share) it may run at once."""
+        if not self.autoscale:
+            return sum(self.tp_size(role) for _, role in self.pools())
+        config = self.planner_config()
+        return config.max_prefill * self.prefill_tp + config.max_decode * self.decode_tp
 
     def _apply_quantized_profile(self) -> None:
         """`quantized`: FP8 W8A8 prefill ("fp8": FP8 e4m3 weights with per-channel scales,

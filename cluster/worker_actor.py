@@ -47,6 +47,7 @@ class WorkerActor:
         from engine.llm_engine import EngineConfig, LLMEngine
         from engine.roles import DECODE, PREFILL, check_role
 
+        _prepare_ranks(engine_kwargs.get("tensor_parallel_size", 1), num_threads)
         engine = LLMEngine(EngineConfig(**engine_kwargs, role=check_role(role)))
         self.worker_id, self.role = worker_id, role
         self.incarnation = uuid.uuid4().hex
@@ -155,3 +156,51 @@ def _agent(worker_id: str, engine, bind_host: str, timeouts: tuple, faults: dict
     plan = FaultPlan.from_dict(kv_faults) if kv_faults else None
     lease_s, read_timeout_s = timeouts
     return KVTransferAgent(worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan)
+
+
+def _prepare_ranks(tp: int, num_threads: int) -> None:
+    """Before the engine starts its TP ranks: they are this process's children
+    (engine/distributed.py) and inherit its environment, so each gets the same core share and,
+    with GPUs, its own bundle's GPU."""
+    if tp == 1:
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, num_threads))
+    if ray.get_gpu_ids():
+        share_group_gpus(tp)
+
+
+def share_group_gpus(tp: int) -> list[str]:
+    """In rank 0 (the actor), before CUDA starts: make the GPUs of every bundle of its group
+    visible, in bundle order, so that the ranks it starts (subprocesses that inherit the
+    environment; rank r takes cuda:r) each get their own bundle's GPU. Returns the list.
+
+    Why not one actor asking for N GPUs: an actor draws its resources from a single bundle,
+    and one bundle per rank is what lets Ray account (and the autoscaler plan) per GPU and
+    STRICT_PACK guarantee the node. Ray sets CUDA_VISIBLE_DEVICES of a process to the GPUs
+    of its own bundle only, so rank 0 asks each other bundle for its GPU id with a probe task
+    scheduled there (the bundle's GPU is fixed when the group is placed); as vLLM's Ray
+    executor does with one actor per bundle."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    own = [str(g) for g in ray.get_gpu_ids()]
+    if group is None or tp == 1:
+        return own
+
+    def probe(i: int):
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+        task = ray.remote(_gpu_ids_task).options(
+            num_gpus=1, num_cpus=0, scheduling_strategy=strategy
+        )
+        return task.remote()
+
+    others = ray.get([probe(i) for i in range(1, tp)], timeout=120)
+    ids = own + [str(g) for ids in others for g in ids]
+    if len(set(ids)) != tp:
+        raise RuntimeError(f"a TP-{tp} group's bundles gave GPUs {ids}, not {tp} distinct ones")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    return ids
+
+
+def _gpu_ids_task() -> list:
+    return ray.get_gpu_ids()

@@ -78,7 +78,8 @@ class _Bounded:
 
     def __init__(self, profile: CapacityProfile, config: PlannerConfig) -> None:
         self.profile, self.config = profile, config
-        self.budget = config.budget_workers(profile.gpus_per_worker)
+        self.gpus = config.pool_gpus(profile.gpus_per_worker)  # pool -> GPUs per worker
+        self.budget = config.budget_gpus(self.gpus)
         self.lengths = (float(config.prior_prompt_tokens), float(config.prior_output_tokens))
 
     def initial(self) -> dict[str, int]:
@@ -94,11 +95,13 @@ class _Bounded:
         return min(max(n, lo), hi)
 
     def cap(self, pools: PoolCounts) -> int | None:
-        """Workers the budget leaves for both pools; draining workers still hold their GPUs."""
+        """GPUs the budget leaves for both pools; draining workers still hold theirs."""
         if self.budget is None:
             return None
-        draining = sum(pools.draining.get(p, 0) for p in POOLS)
-        return max(self.budget - draining, self.config.min_prefill + self.config.min_decode)
+        g, c = self.gpus, self.config
+        draining = sum(pools.draining.get(p, 0) * g[p] for p in POOLS)
+        floor = c.min_prefill * g[PREFILL_POOL] + c.min_decode * g[DECODE_POOL]
+        return max(self.budget - draining, floor)
 
     def mean_lengths(self, window: WindowSignals) -> tuple[float, float]:
         """The window's mean prompt and output lengths, else the last seen (else the prior)."""
@@ -204,11 +207,12 @@ class DynamoStylePolicy(_Bounded):
     def _budget(self, desired: dict[str, int], pools: PoolCounts) -> dict[str, int]:
         """Dynamo's rule: over budget, prefill scales down in proportion, decode gets the rest."""
         cap, c = self.cap(pools), self.config
-        total = desired[PREFILL_POOL] + desired[DECODE_POOL]
+        gp, gd = self.gpus[PREFILL_POOL], self.gpus[DECODE_POOL]
+        total = desired[PREFILL_POOL] * gp + desired[DECODE_POOL] * gd  # GPUs
         if cap is None or total <= cap:
             return desired
         prefill = max(c.min_prefill, int(desired[PREFILL_POOL] * cap / total))
-        return {PREFILL_POOL: prefill, DECODE_POOL: max(c.min_decode, cap - prefill)}
+        return {PREFILL_POOL: prefill, DECODE_POOL: max(c.min_decode, (cap - prefill * gp) // gd)}
 
 
 class ThresholdPolicy(_Bounded):
@@ -255,7 +259,8 @@ class ThresholdPolicy(_Bounded):
         }
         cap = self.cap(pools)
         floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
-        return self.finish(wanted, have, why, lambda d: fit_budget(d, have, cap, ratios, floors))
+        g = self.gpus
+        return self.finish(wanted, have, why, lambda d: fit_budget(d, have, cap, ratios, floors, g))
 
     def _recommend(self, pool: str, now: float, have: int, ready: int, ratio: float) -> int:
         """HPA's replica calculation for one pool, with its tolerance, its default scale-up

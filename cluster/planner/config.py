@@ -33,6 +33,14 @@ class PlannerConfig:
     gpu_budget: int | None = setting(
         None, "most GPUs both pools may hold together, draining workers included (none: no cap)"
     )
+    # A worker of a pool holds this many GPUs (its TP size; `tandem serve` sets them from
+    # --prefill-tp/--decode-tp): the budget counts workers x these. None: the profile's.
+    prefill_gpus_per_worker: int | None = setting(
+        None, "GPUs of one prefill worker (its TP size; none: the profile's gpus_per_worker)"
+    )
+    decode_gpus_per_worker: int | None = setting(
+        None, "GPUs of one decode worker (its TP size; none: the profile's gpus_per_worker)"
+    )
     startup_s: float | None = setting(
         None, "seconds from asking for a worker to its first request (none: the profile's)"
     )
@@ -125,6 +133,9 @@ class PlannerConfig:
         _pool_bounds("decode", self.min_decode, self.max_decode, lowest=1)
         if self.gpu_budget is not None and self.gpu_budget < 1:
             raise ValueError(f"gpu_budget must be >= 1 (or unset), got {self.gpu_budget}")
+        for name in ("prefill_gpus_per_worker", "decode_gpus_per_worker"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or unset), got {getattr(self, name)}")
         if self.startup_s is not None:
             _non_negative("startup_s", self.startup_s)
         if self.disagg_threshold < 0:
@@ -183,19 +194,28 @@ class PlannerConfig:
         """The start-up time to plan for: this config's, else the profile's."""
         return profile_startup_s if self.startup_s is None else self.startup_s
 
-    def budget_workers(self, gpus_per_worker: int) -> int | None:
-        """Workers (of both pools together) the GPU budget allows; None without a budget.
-        Raises if even the pools' minimums do not fit, so a bad budget fails at start-up."""
+    def pool_gpus(self, profile_gpus: int) -> dict[str, int]:
+        """GPUs one worker of each pool holds (pool name -> TP size); `profile_gpus` (the
+        capacity profile's gpus_per_worker) where this config leaves a pool's unset."""
+        return {
+            "prefill": self.prefill_gpus_per_worker or profile_gpus,
+            "decode": self.decode_gpus_per_worker or profile_gpus,
+        }
+
+    def budget_gpus(self, gpus: dict[str, int]) -> int | None:
+        """The GPU budget both pools share (workers x their pool's GPUs, `gpus` from
+        `pool_gpus`); None without one. Raises if even the pools' minimums do not fit, so a
+        bad budget fails at start-up."""
         if self.gpu_budget is None:
             return None
-        workers = self.gpu_budget // gpus_per_worker
-        if (self.min_prefill + self.min_decode) > workers:
+        floor = self.min_prefill * gpus["prefill"] + self.min_decode * gpus["decode"]
+        if floor > self.gpu_budget:
             raise ValueError(
-                f"gpu_budget={self.gpu_budget} holds {workers} workers of {gpus_per_worker} "
-                f"GPU(s), fewer than min_prefill + min_decode = "
-                f"{self.min_prefill + self.min_decode}"
+                f"gpu_budget={self.gpu_budget} GPUs is less than the pools' minimums need: "
+                f"min_prefill {self.min_prefill} x {gpus['prefill']} GPU(s) + min_decode "
+                f"{self.min_decode} x {gpus['decode']} GPU(s) = {floor}"
             )
-        return workers
+        return self.gpu_budget
 
 
 def _positive(name: str, value: float) -> None:

@@ -82,29 +82,37 @@ def fit_budget(
     cap: int | None,
     urgency: dict[str, float],
     floors: dict[str, int] | None = None,
+    gpus: dict[str, int] | None = None,
 ) -> dict[str, int]:
-    """`desired` cut to at most `cap` workers in all. Each pool keeps its `base` (what it has,
-    or less if it wants less); the room above the bases goes to the pools' shortfalls in
-    proportion, the last workers to the most urgent pool (SLO furthest off) first. No pool
-    goes below its floor (its minimum; the caller's cap holds the floors)."""
-    if cap is None or sum(desired.values()) <= cap:
+    """`desired` cut to at most `cap` GPUs in all, a worker of pool p holding `gpus[p]` of
+    them (default 1: `cap` counts workers). Each pool keeps its `base` (what it has, or less
+    if it wants less); the room above the bases goes to the pools' shortfalls in proportion
+    (of GPUs), the last GPUs to the most urgent pool (SLO furthest off) that a whole worker
+    of it still fits. No pool goes below its floor (its minimum; the caller's cap holds the
+    floors)."""
+    g = {p: (gpus or {}).get(p, 1) for p in desired}
+
+    def used(sizes: dict[str, int]) -> int:
+        return sum(sizes[p] * g[p] for p in sizes)
+
+    if cap is None or used(desired) <= cap:
         return dict(desired)
     low = floors or {}
     out = {p: min(base[p], desired[p]) for p in desired}
-    while sum(out.values()) > cap:  # bases over the cap: take from the least urgent
+    while used(out) > cap:  # bases over the cap: take from the least urgent
         above = [p for p in out if out[p] > low.get(p, 0)]
         if not above:
-            raise ValueError(f"a cap of {cap} workers cannot hold the floors {low}")
+            raise ValueError(f"a cap of {cap} GPUs cannot hold the floors {low}")
         pool = min(above, key=lambda p: (urgency.get(p, 0), -out[p]))
         out[pool] -= 1
-    room = cap - sum(out.values())
+    room = cap - used(out)
     short = {p: desired[p] - out[p] for p in desired}
-    total = sum(short.values())
-    grant = {p: room * short[p] // total for p in desired}
-    room -= sum(grant.values())
+    total = sum(short[p] * g[p] for p in desired)
+    grant = {p: room * short[p] * g[p] // total // g[p] for p in desired}
+    room -= used(grant)
     for p in sorted(desired, key=lambda p: -urgency.get(p, 0)):
-        extra = min(room, short[p] - grant[p])
-        grant[p], room = grant[p] + extra, room - extra
+        extra = min(room // g[p], short[p] - grant[p])
+        grant[p], room = grant[p] + extra, room - extra * g[p]
     return {p: out[p] + grant[p] for p in desired}
 
 
@@ -139,7 +147,8 @@ def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int
             )
             sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], min(held, c.max_prefill))
     floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
-    return fit_budget(sizes, sizes, c.budget_workers(profile.gpus_per_worker), {}, floors)
+    gpus = c.pool_gpus(profile.gpus_per_worker)
+    return fit_budget(sizes, sizes, c.budget_gpus(gpus), {}, floors, gpus)
 
 
 class Planner:
@@ -150,7 +159,8 @@ class Planner:
     def __init__(self, profile: CapacityProfile, config: PlannerConfig) -> None:
         self.profile, self.config = profile, config
         self.startup_s = config.resolved_startup_s(profile.startup_s)
-        self.budget = config.budget_workers(profile.gpus_per_worker)
+        self.gpus = config.pool_gpus(profile.gpus_per_worker)  # pool -> GPUs per worker
+        self.budget = config.budget_gpus(self.gpus)
         self.targets = Targets(
             config.slo_ttft_s,
             config.slo_tpot_s,
@@ -364,12 +374,14 @@ class Planner:
     ) -> None:
         if self.budget is None:
             return
-        draining = sum(pools.draining.get(pool, 0) for pool in POOLS)
-        cap = max(self.budget - draining, self.bounds.min_prefill + self.bounds.min_decode)
-        if sum(desired.values()) <= cap:
+        g = self.gpus
+        draining = sum(pools.draining.get(pool, 0) * g[pool] for pool in POOLS)
+        floors = self._floors()
+        cap = max(self.budget - draining, sum(floors[p] * g[p] for p in POOLS))
+        if sum(desired[p] * g[p] for p in POOLS) <= cap:
             return
         urgency = self._urgency(have, wl, corr)
-        fitted = fit_budget(desired, have, cap, urgency, self._floors())
+        fitted = fit_budget(desired, have, cap, urgency, floors, g)
         for pool in POOLS:
             if fitted[pool] < desired[pool]:
                 reasons[pool] = (

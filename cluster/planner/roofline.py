@@ -3,7 +3,8 @@ hardware, settings)`, and `calibrate(measured, model, hardware)`, which turns a 
 on known hardware into the efficiency factors the roofline then applies elsewhere.
 
 The model (one worker of `tp` GPUs; bytes and FLOPs of the whole worker, bandwidth and FLOP/s
-summed over its GPUs; tensor-parallel communication is left to the efficiency factors):
+summed over its GPUs: the weights and the KV are split over the N GPUs, each reading its share
+in parallel; memory and the KV capacity are the N GPUs' together):
 
     weights W      = layers' projections at the weight dtype (bf16: 2 B, fp8: 1 B) + the LM
                      head in bf16: what every step reads once (the embedding table's few rows
@@ -17,6 +18,13 @@ summed over its GPUs; tensor-parallel communication is left to the efficiency fa
                      + context tokens x kv / (BW * e_kv)               (decode_per_ctx_token_s)
     KV hand-off    = transfer_latency_s + tokens x kv / (link x e_bw)
     KV capacity    = (memory x gpu_memory_utilization - weight memory - activation reserve) / kv
+    all-reduce     = with N > 1 GPUs, each step adds 2 all-reduces per layer (after the
+                     attention output and the MLP down projection, row-parallel) of T tokens x
+                     hidden x 2 B (bf16 activations), as a ring: ALLREDUCE_LATENCY_S each, plus
+                     2 (N - 1) / N x bytes over the in-node link (NVLink, else PCIe), one
+                     direction. The latency goes into decode_fixed_s, the bytes per token into
+                     decode_per_seq_s and every prefill point. Compute and communication do
+                     not overlap (the simple, cautious reading).
 
 where kv = kv_bytes_per_token (tandem's layout: bf16, or FP8 with per-head scales), e_bw and
 e_f the bandwidth and FLOP/s efficiencies, e_kv the attention kernel's bandwidth efficiency over
@@ -46,6 +54,9 @@ from .model_shapes import ModelShape
 # Bytes per projection weight. fp32 only describes a measured float32 engine (calibration).
 WEIGHT_DTYPES = {"bf16": 2, "fp8": 1, "fp32": 4}
 STARTUP_BASE_S = 40.0
+# One in-node all-reduce's fixed cost (NCCL ring, small messages): launch and a hop per rank.
+ALLREDUCE_LATENCY_S = 10e-6
+ACTIVATION_BYTES = 2  # bf16 activations all-reduced by the row-parallel projections
 STARTUP_LOAD_BYTES_PER_S = 1e9
 GIB = 1 << 30
 
@@ -60,6 +71,8 @@ class Hardware:
     memory_gb: float
     link_gbs: float  # the KV hand-off's link, one direction
     gpus: int = 1
+    # In-node link the TP all-reduces take, one direction (NVLink, else PCIe); None: link_gbs.
+    tp_link_gbs: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_gbs", "tflops", "memory_gb", "link_gbs"):
@@ -68,6 +81,10 @@ class Hardware:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if self.gpus < 1:
             raise ValueError(f"gpus (tensor parallel) must be >= 1, got {self.gpus}")
+        if self.tp_link_gbs is None:
+            self.tp_link_gbs = self.link_gbs
+        if not (self.tp_link_gbs > 0 and math.isfinite(self.tp_link_gbs)):
+            raise ValueError(f"tp_link_gbs must be > 0, got {self.tp_link_gbs}")
 
     @classmethod
     def of(cls, gpu: GPU, weight_dtype: str = "bf16", tp: int = 1, link: str = "network"):
@@ -78,6 +95,7 @@ class Hardware:
             gpu.memory_gb,
             gpu.link_gbs(link),
             tp,
+            gpu.nvlink_gbs or gpu.network_gbs,
         )
 
     @property
@@ -172,6 +190,17 @@ def default_startup_s(model: ModelShape, weight_dtype: str, gpus: int) -> float:
 
 
 # -- the profile -----------------------------------------------------------------------------
+def allreduce_s(model: ModelShape, hw: Hardware) -> tuple[float, float]:
+    """A TP worker's all-reduces in one step: (fixed seconds, seconds per token); (0, 0) on
+    one GPU. See the module doc."""
+    n = hw.gpus
+    if n == 1:
+        return 0.0, 0.0
+    count = 2 * model.num_layers
+    per_token = 2 * (n - 1) / n * model.hidden_size * ACTIVATION_BYTES / (hw.tp_link_gbs * 1e9)
+    return count * ALLREDUCE_LATENCY_S, count * per_token
+
+
 def prefill_step_s(
     model: ModelShape, hw: Hardware, s: RooflineSettings, tokens: int, kv: int
 ) -> float:
@@ -180,7 +209,8 @@ def prefill_step_s(
     memory = (step_weight_bytes(model, s.weight_dtype) + tokens * kv) / (
         hw.bytes_per_s * e.bandwidth
     )
-    return max(compute, memory) + e.step_overhead_s
+    fixed, per_token = allreduce_s(model, hw)
+    return max(compute, memory) + fixed + per_token * tokens + e.step_overhead_s
 
 
 def prefill_token_counts(max_batch_tokens: int) -> list[int]:
@@ -216,6 +246,7 @@ def roofline_profile(model: ModelShape, hw: Hardware, s: RooflineSettings) -> Ca
     points = [
         (t, prefill_step_s(model, hw, s, t, kv)) for t in prefill_token_counts(s.max_batch_tokens)
     ]
+    ar = allreduce_s(model, hw)  # (fixed, per token) of a TP worker's all-reduces
     startup = s.startup_s
     if startup is None:
         startup = default_startup_s(model, s.weight_dtype, hw.gpus)
@@ -224,8 +255,8 @@ def roofline_profile(model: ModelShape, hw: Hardware, s: RooflineSettings) -> Ca
         hardware=hw.name,
         source="roofline",
         prefill_points=points,
-        decode_fixed_s=step_weight_bytes(model, s.weight_dtype) / bw + e.step_overhead_s,
-        decode_per_seq_s=model.decode_flops_per_seq() / (hw.flops * e.flops),
+        decode_fixed_s=step_weight_bytes(model, s.weight_dtype) / bw + e.step_overhead_s + ar[0],
+        decode_per_seq_s=model.decode_flops_per_seq() / (hw.flops * e.flops) + ar[1],
         decode_per_ctx_token_s=kv / (hw.bytes_per_s * e.kv_bandwidth),
         kv_bytes_per_token=kv,
         transfer_latency_s=s.transfer_latency_s,
@@ -284,7 +315,8 @@ def calibrate(
       2 x params / (F x decode_per_seq_s)."""
     kv = measured.kv_bytes_per_token
     w = step_weight_bytes(model, weight_dtype)
-    weights_s = measured.decode_fixed_s - step_overhead_s
+    ar_fixed, ar_token = allreduce_s(model, hw)  # a TP worker's modelled all-reduces
+    weights_s = measured.decode_fixed_s - step_overhead_s - ar_fixed
     if weights_s <= 0:
         raise ValueError(
             f"a step overhead of {step_overhead_s * 1e3:.3f} ms leaves nothing of the measured "
@@ -296,12 +328,12 @@ def calibrate(
     details: dict = {"kind": "calibrated", "hardware": hw.name, "profile": measured.model}
     tokens, seconds = measured.prefill_points[-1]
     memory_s = (w + tokens * kv) / (hw.bytes_per_s * e_bw)
-    compute_s = seconds - step_overhead_s
+    compute_s = seconds - step_overhead_s - ar_fixed - ar_token * tokens
     if compute_s > memory_s * 1.0001:
         e_f = model.prefill_flops(tokens) / (hw.flops * compute_s)
         details["flops_from"] = f"prefill at {tokens} tokens"
-    elif measured.decode_per_seq_s > 0:
-        e_f = model.decode_flops_per_seq() / (hw.flops * measured.decode_per_seq_s)
+    elif measured.decode_per_seq_s > ar_token:
+        e_f = model.decode_flops_per_seq() / (hw.flops * (measured.decode_per_seq_s - ar_token))
         details["flops_from"] = "decode_per_seq_s"
     else:
         raise ValueError(

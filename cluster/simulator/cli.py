@@ -22,6 +22,7 @@ from pathlib import Path
 from bench.capacity_profile import CapacityProfile
 from cluster.planner import make_policy
 from cluster.planner.config import PlannerConfig
+from cluster.planner.types import COLOCATED_POOL, DECODE_POOL, PREFILL_POOL
 from cluster.simulator import report
 from cluster.simulator.run import SimConfig, SimResult, simulate
 from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
@@ -153,7 +154,12 @@ def _write(
     sweep: SweepResult | None,
 ) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    gpus = profile.gpus_per_worker
+    # GPU-hours count each pool's workers at its TP size (colocated: the profile's).
+    gpus = {
+        COLOCATED_POOL: profile.gpus_per_worker,
+        PREFILL_POOL: getattr(args, "prefill_gpus_per_worker", None) or profile.gpus_per_worker,
+        DECODE_POOL: getattr(args, "decode_gpus_per_worker", None) or profile.gpus_per_worker,
+    }
     inputs = {
         "trace": str(args.trace),
         "profile": str(args.profile),

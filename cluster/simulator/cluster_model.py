@@ -60,8 +60,11 @@ class SimCluster:
         step_by_step: bool = False,
         host_workers: int = 1,
         corun_slowdown: dict[str, float] | None = None,
+        pool_gpus: dict[str, int] | None = None,
     ) -> None:
         self.profile, self.queue, self.recorder = profile, queue, recorder
+        # GPUs one worker of each pool holds (its TP size): GPU-hours count them.
+        self.pool_gpus = pool_gpus or dict.fromkeys(POOLS, profile.gpus_per_worker)
         self.prefill_cost = PrefillCost(profile)
         self.disagg_threshold, self.startup_s = disagg_threshold, startup_s
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
@@ -144,10 +147,12 @@ class SimCluster:
         )
 
     def gpu_hours(self, end_s: float) -> float:
-        seconds = sum(
-            (w.left_s if not math.isnan(w.left_s) else end_s) - w.asked_s for w in self.workers
+        gpu_seconds = sum(
+            ((w.left_s if not math.isnan(w.left_s) else end_s) - w.asked_s)
+            * self.pool_gpus.get(w.pool, self.profile.gpus_per_worker)
+            for w in self.workers
         )
-        return seconds * self.profile.gpus_per_worker / 3600.0
+        return gpu_seconds / 3600.0
 
     def _count(self, pool: str, old: str | None, new: str | None, now: float) -> None:
         c = self.counts[pool]

@@ -30,15 +30,18 @@ def percentiles_ms(samples_s: list[float]) -> dict[str, float | int]:
     return {"count": s.count, "p50": s.p50 * 1e3, "p90": s.p90 * 1e3, "p99": s.p99 * 1e3}
 
 
-def gpu_hours_by_pool(result: SimResult, gpus_per_worker: int) -> dict[str, float]:
+def gpu_hours_by_pool(result: SimResult, gpus_per_worker: int | dict[str, int]) -> dict[str, float]:
+    """`gpus_per_worker`: one count for both pools, or pool -> its workers' GPUs (TP size)."""
+    gpus = gpus_per_worker if isinstance(gpus_per_worker, dict) else None
     out = dict.fromkeys(POOLS, 0.0)
     for w in result.workers:
         left = result.end_s if math.isnan(w["left_s"]) else w["left_s"]
-        out[w["pool"]] += (left - w["asked_s"]) * gpus_per_worker / 3600.0
+        g = gpus.get(w["pool"], 1) if gpus is not None else gpus_per_worker
+        out[w["pool"]] += (left - w["asked_s"]) * g / 3600.0
     return {pool: h for pool, h in out.items() if h > 0}
 
 
-def summarize(result: SimResult, gpus_per_worker: int = 1) -> dict:
+def summarize(result: SimResult, gpus_per_worker: int | dict[str, int] = 1) -> dict:
     cfg = result.config
     return {
         "policy": result.policy,
@@ -60,7 +63,9 @@ def summarize(result: SimResult, gpus_per_worker: int = 1) -> dict:
     }
 
 
-def to_json(result: SimResult, gpus_per_worker: int = 1, extra: dict | None = None) -> dict:
+def to_json(
+    result: SimResult, gpus_per_worker: int | dict[str, int] = 1, extra: dict | None = None
+) -> dict:
     """Everything about a run: summary, config, decisions with reasons, pool timeline, demand
     per window and each worker's lifetime."""
     cfg = result.config

@@ -55,9 +55,19 @@ class SimConfig:
     # its machine computes (shared cores and memory bandwidth: the 2-core CPU box).
     prefill_corun_slowdown: float = 0.0
     decode_corun_slowdown: float = 0.0
+    # GPUs of one worker per pool (its TP size) for the GPU-hours; None: the profile's.
+    prefill_gpus_per_worker: int | None = None
+    decode_gpus_per_worker: int | None = None
     max_overrun_s: float = 6 * 3600.0
     abort_after_misses: int | None = None
     progress: bool = False
+
+    def pool_gpus(self, profile_gpus: int) -> dict[str, int]:
+        """Pool -> GPUs of one of its workers (`profile_gpus` where unset)."""
+        return {
+            PREFILL_POOL: self.prefill_gpus_per_worker or profile_gpus,
+            DECODE_POOL: self.decode_gpus_per_worker or profile_gpus,
+        }
 
     def ttft_target_s(self, prompt_len: int) -> float:
         """A request's TTFT target: the base plus the allowance for its prompt's length."""
@@ -74,6 +84,8 @@ class SimConfig:
             interval_s=planner.interval_s,
             disagg_threshold=planner.disagg_threshold,
             startup_s=planner.startup_s,
+            prefill_gpus_per_worker=planner.prefill_gpus_per_worker,
+            decode_gpus_per_worker=planner.decode_gpus_per_worker,
             **settings,
         )
 
@@ -177,6 +189,7 @@ class _Run:
             slo_ttft_per_1k_s=cfg.slo_ttft_per_1k_s,
             step_by_step=cfg.step_by_step,
             host_workers=cfg.host_workers,
+            pool_gpus=cfg.pool_gpus(profile.gpus_per_worker),
             corun_slowdown={
                 PREFILL_POOL: cfg.prefill_corun_slowdown,
                 DECODE_POOL: cfg.decode_corun_slowdown,

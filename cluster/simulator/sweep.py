@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from bench.capacity_profile import CapacityProfile
 from cluster.planner import make_policy
 from cluster.planner.config import PlannerConfig
-from cluster.planner.types import Policy
+from cluster.planner.types import DECODE_POOL, PREFILL_POOL, Policy
 from cluster.simulator.run import SimConfig, SimResult, simulate
 from cluster.simulator.traces import SimRequest
 
@@ -149,16 +149,18 @@ def best_static(
     gpu_budget: int | None = None,
 ) -> SweepResult:
     """The static split with the fewest GPU-hours reaching `target`: P from `prefill_counts`
-    (ascending), D in the inclusive range `decode_counts`, (P + D) * gpus_per_worker within
-    `gpu_budget`. `make_policy(P, D)` builds the static policy."""
+    (ascending), D in the inclusive range `decode_counts`, P x prefill GPUs + D x decode GPUs
+    (each pool's TP size, `config.pool_gpus`) within `gpu_budget`. `make_policy(P, D)`
+    builds the static policy."""
     prober = _Prober(requests, profile, config, target, "static")
     d_lo, d_hi = decode_counts
-    gpus = profile.gpus_per_worker
+    g = config.pool_gpus(profile.gpus_per_worker)
+    gp, gd = g[PREFILL_POOL], g[DECODE_POOL]
     for p in sorted(prefill_counts):
         best = prober.sweep.best
-        if best is not None and p + d_lo > best.prefill + best.decode:
-            break  # every later P has more workers than the best split
-        top = d_hi if gpu_budget is None else min(d_hi, gpu_budget // gpus - p)
+        if best is not None and p * gp + d_lo * gd > best.prefill * gp + best.decode * gd:
+            break  # every later P holds more GPUs than the best split
+        top = d_hi if gpu_budget is None else min(d_hi, (gpu_budget - p * gp) // gd)
         least = _least(d_lo, top, lambda d, p=p: prober.meets(p, d, lambda: make_policy(p, d)))
         if least is not None:
             d_hi = least  # more prefill workers never need more decode workers

@@ -233,3 +233,85 @@ def test_host_kv_tier_flag_reaches_every_worker_engine():
     settings = settings_from_args(_parse("--kv-host-cache-gb", "2.5"))
     assert settings.engine["kv_host_cache_gb"] == 2.5
     assert settings_from_args(_parse()).engine["kv_host_cache_gb"] == 0.0
+
+
+# ---- tensor parallelism: per pool, counted in GPUs -------------------------------------------
+
+
+def test_tp_flags_reach_each_pools_workers_and_the_planner():
+    from cluster.worker_launch import WorkerSpec
+
+    s = settings_from_args(_parse("--prefill-tp", "2", "--decode-tp", "4", "--prefill", "3"))
+    assert (s.tp_size(PREFILL), s.tp_size(DECODE), s.tp_size(COLOCATED)) == (2, 4, 1)
+    assert s.max_ranks() == 3 * 2 + 1 * 4  # the CPU shares are per rank
+    planner = s.planner_config()
+    assert planner.pool_gpus(1) == {"prefill": 2, "decode": 4}
+    spec = WorkerSpec(
+        engine_kwargs={"model": s.model, **s.engine},
+        quantization={},
+        bind_host="127.0.0.1",
+        use_gpu=True,
+        cpus_per_worker=1.0,
+        lease_seconds=1.0,
+        on_transfer_failure="recompute",
+        log_level="WARNING",
+        max_frame_bytes=1 << 20,
+        kv_read_timeout_s=1.0,
+        max_restarts=0,
+        tp={role: s.tp_size(role) for role in (PREFILL, DECODE, COLOCATED)},
+    )
+    # What the actor's EngineConfig gets; the group asks one GPU per rank.
+    assert spec.engine_config(DECODE)["tensor_parallel_size"] == 4
+    assert len(spec.bundles(PREFILL)) == 2 and len(spec.bundles(DECODE)) == 4
+    colocated = settings_from_args(_parse("--mode", "colocated", "--tp", "2"))
+    assert colocated.tp_size(COLOCATED) == 2 and colocated.max_ranks() == 2 * 2
+
+
+@pytest.mark.parametrize("flag", ["--prefill-tp", "--decode-tp", "--tp"])
+@pytest.mark.parametrize("value", ["0", "17"])
+def test_a_tp_size_out_of_range_is_refused_naming_the_flag(flag, value):
+    with pytest.raises(ValueError, match=f"{flag} must be an integer in \\[1, 16\\]"):
+        settings_from_args(_parse(flag, value))
+
+
+def test_tp_is_set_by_serve_not_by_engine_overrides():
+    with pytest.raises(ValueError, match="set by ServeSettings"):
+        ServeSettings(model="/m", engine={"tensor_parallel_size": 2})
+
+
+def test_a_tp_size_the_model_cannot_split_fails_at_start_before_ray(make_tiny_model):
+    """The engine's own check (4 attention heads are not split 3 ways), raised by
+    Deployment.start before Ray or any worker starts: not a worker failing in a restart loop."""
+    model = str(make_tiny_model("llama", "tiny", 0))
+    dep = Deployment(ServeSettings(model=model, mode="colocated", tp=3))
+    with pytest.raises(ValueError, match="--tp 3: tensor_parallel_size 3 must divide num_att"):
+        dep.start()
+    assert dep.controller is None and not dep.actors
+    ServeSettings(model=model, mode="colocated", tp=2).check_tp()  # 4 heads, 2 KV heads: fine
+
+
+def test_serve_help_documents_the_tp_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser(["serve", "--help"]).parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--prefill-tp", "--decode-tp", "--tp "):
+        assert flag in out
+
+
+@pytest.mark.parametrize("role", [PREFILL, DECODE])
+def test_a_pool_tp_size_meets_the_engines_own_role_check_at_start(make_tiny_model, role):
+    """`--prefill-tp 2` / `--decode-tp 2` on a model TP 2 can split: what the engine says of TP
+    for that role (today it refuses TP > 1 outside colocated replicas, until the KV hand-off
+    across TP sizes lands) is what `tandem serve` says at start, naming the flag; no more."""
+    from engine.models.parallel import check_tp_settings
+
+    model = str(make_tiny_model("llama", "tiny", 0))
+    s = ServeSettings(model=model, **{f"{role}_tp": 2})
+    try:
+        check_tp_settings(2, role, "auto")
+    except ValueError as e:
+        with pytest.raises(ValueError) as got:
+            s.check_tp()
+        assert str(got.value) == f"--{role}-tp 2: {e}"
+    else:
+        s.check_tp()

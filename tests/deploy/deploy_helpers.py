@@ -358,12 +358,13 @@ def pool_slots(pool_values: dict[str, Any]) -> int:
 def group_counts(values: dict[str, Any], pool: str) -> tuple[int, int, int]:
     """(replicas, minReplicas, maxReplicas) the chart must give a pool's worker group from
     merged values: the pool's own, or with autoscaling.planner on, the planner's actor bounds
-    (and serving.<pool>, the actors it starts with) over the pod's slots, rounded up."""
+    (and serving.<pool>, the actors it starts with) over the workers a pod holds (its slots
+    over the pool's TP size, serving.<pool>Tp: a worker's ranks share one pod), rounded up."""
     g = values[pool]
     planner = values["autoscaling"]["planner"]
     if not planner["enabled"]:
         return g["replicas"], g["minReplicas"], g["maxReplicas"]
-    slots = pool_slots(g)
+    slots = max(1, pool_slots(g) // int(values["serving"].get(f"{pool}Tp", 1)))
     suffix = pool.capitalize()
     lo = -(-planner[f"min{suffix}"] // slots)
     hi = -(-planner[f"max{suffix}"] // slots)
@@ -405,3 +406,13 @@ def with_local_profile(argv: list[str], profile: Path) -> list[str]:
     if "--capacity-profile" in out:
         out[out.index("--capacity-profile") + 1] = str(profile)
     return out
+
+
+def comment_flag_spans(path: Path) -> list[str]:
+    """The `--flag ...` spans (in backticks) of the YAML's comments, lines joined."""
+    comments = " ".join(
+        ln.strip().lstrip("#").strip()
+        for ln in path.read_text().splitlines()
+        if ln.lstrip().startswith("#")
+    )
+    return [span for span in re.findall(r"`([^`]+)`", comments) if span.startswith("--")]

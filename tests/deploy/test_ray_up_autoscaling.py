@@ -17,6 +17,7 @@ import pytest
 import yaml
 from deploy_helpers import (
     RAY_CONFIGS,
+    comment_flag_spans,
     given_flags,
     parse_serve_args,
     parse_tandem_args,
@@ -79,28 +80,53 @@ def test_serve_line_runs_the_planner_with_every_flag(path: Path) -> None:
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_node_type_bounds_are_the_planners_bounds(path: Path) -> None:
-    """Each pool's node type keeps the nodes the planner's minimum needs and can grow to hold
-    its maximum, with less than a node to spare (one actor per unit of the pool's resource)."""
     config = _prepared(path)
-    serve = parse_serve_args(_serve_argv(config))
+    _check_bounds(config, parse_serve_args(_serve_argv(config)))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_the_tp_recipe_of_the_comment_keeps_the_bounds_consistent(path: Path) -> None:
+    """The configs' comment on tensor parallelism (a 70B model: its TP sizes, the bounds and
+    starting workers divided by them, the budget kept in GPUs), added to the serve line, gives
+    a line whose bounds still match the node types: the same check as the shipped line's."""
+    config = _prepared(path)
+    recipes = [s for s in comment_flag_spans(path) if s.startswith("--prefill-tp")]
+    assert len(recipes) == 1, recipes
+    argv = [*_serve_argv(config), *shlex.split(recipes[0])]  # the later flags win
+    serve = parse_serve_args(argv)
+    assert (serve.prefill_tp, serve.decode_tp) == (4, 2)
+    _check_bounds(config, serve)
+    with pytest.raises(AssertionError):  # the check does see TP: bounds left in GPUs fail
+        _check_bounds(config, parse_serve_args([*_serve_argv(config), "--prefill-tp", "4"]))
+
+
+def _check_bounds(config: dict[str, Any], serve) -> None:
+    """Each pool's node type keeps the nodes the planner's minimum needs and can grow to hold
+    its maximum, with less than a node to spare: a node of G GPUs (G units of the pool's
+    resource) holds G / TP workers of the pool's TP size (a group's ranks share a node); the
+    GPU budget, in GPUs (workers x TP), lets both minimums run and stops at what the maxima
+    hold."""
     gpus_at_max = 0
     for pool in ("prefill", "decode"):
         resource = getattr(serve, f"{pool}_resource")
         t = _pool_type(config, resource)
         units = t["resources"][resource]
-        assert units == t["resources"]["GPU"] > 0, "one unit per GPU: an actor takes one GPU"
+        assert units == t["resources"]["GPU"] > 0, "one unit per GPU: a rank takes one GPU"
+        tp = getattr(serve, f"{pool}_tp")
+        per_node = units // tp
+        assert per_node >= 1, (pool, tp, units)
         lo, hi = getattr(serve, f"min_{pool}"), getattr(serve, f"max_{pool}")
-        assert -(-lo // units) == t["min_workers"], (pool, lo, units, t["min_workers"])
-        assert -(-hi // units) == t["max_workers"], (pool, hi, units, t["max_workers"])
-        # The actors it starts with lie within the bounds (and fit the starting nodes).
-        assert lo <= getattr(serve, pool) <= min(hi, t["min_workers"] * units)
-        gpus_at_max += hi
+        assert -(-lo // per_node) == t["min_workers"], (pool, lo, per_node, t["min_workers"])
+        assert -(-hi // per_node) == t["max_workers"], (pool, hi, per_node, t["max_workers"])
+        # The workers it starts with lie within the bounds (and fit the starting nodes).
+        assert lo <= getattr(serve, pool) <= min(hi, t["min_workers"] * per_node)
+        gpus_at_max += hi * tp
     workers = [
         t for n, t in config["available_node_types"].items() if n != config["head_node_type"]
     ]
     assert sum(t["max_workers"] for t in workers) <= config["max_workers"]
-    # The budget lets both minimums run and stops short of, or at, what the maxima hold.
-    assert serve.min_prefill + serve.min_decode <= serve.gpu_budget <= gpus_at_max
+    floor = serve.min_prefill * serve.prefill_tp + serve.min_decode * serve.decode_tp
+    assert floor <= serve.gpu_budget <= gpus_at_max
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
@@ -139,6 +165,7 @@ def test_the_head_writes_the_capacity_profile_before_serving(path: Path) -> None
     command, argv = _plan_argv(config)
     plan = parse_tandem_args(["plan", *argv])
     assert plan.out == serve.capacity_profile
+    assert plan.tp == serve.decode_tp  # a profile of one decode worker, of its GPUs
     assert (plan.model, plan.kv_dtype) == (serve.model, serve.kv_dtype)
     # One profile for both pools: the slower GPU, the decode node type's.
     decode_type = next(

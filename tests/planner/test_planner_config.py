@@ -58,10 +58,25 @@ def test_max_below_min_is_refused():
 
 
 def test_budget_must_hold_the_minimums():
-    assert PlannerConfig(gpu_budget=9).budget_workers(2) == 4
-    assert PlannerConfig().budget_workers(1) is None
+    two = {"prefill": 2, "decode": 2}
+    assert PlannerConfig(gpu_budget=9).budget_gpus(two) == 9
+    assert PlannerConfig().budget_gpus({"prefill": 1, "decode": 1}) is None
     with pytest.raises(ValueError, match="gpu_budget"):
-        PlannerConfig(min_prefill=2, min_decode=2, gpu_budget=7).budget_workers(2)
+        PlannerConfig(min_prefill=2, min_decode=2, gpu_budget=7).budget_gpus(two)
+    # Workers x their pool's TP: 2 x 4 + 1 x 2 = 10 GPUs.
+    tp = PlannerConfig(
+        min_prefill=2, min_decode=1, decode_gpus_per_worker=2, prefill_gpus_per_worker=4
+    )
+    assert tp.pool_gpus(1) == {"prefill": 4, "decode": 2}
+    assert PlannerConfig().pool_gpus(8) == {"prefill": 8, "decode": 8}  # the profile's
+    with pytest.raises(ValueError, match="= 10"):
+        PlannerConfig(**{**_fields(tp), "gpu_budget": 9}).budget_gpus(tp.pool_gpus(1))
+    with pytest.raises(ValueError, match="decode_gpus_per_worker"):
+        PlannerConfig(decode_gpus_per_worker=0)
+
+
+def _fields(c: PlannerConfig) -> dict:
+    return {f: getattr(c, f) for f in c.__dataclass_fields__}
 
 
 def test_flags_are_generated_and_tuning_stays_off_the_cli():

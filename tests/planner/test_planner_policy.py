@@ -225,6 +225,36 @@ def test_the_gpu_budget_is_never_exceeded(gpus_per_worker, budget, draining):
     assert "budget" in d.causes.values() or sum(have) + draining < budget // gpus_per_worker
 
 
+@pytest.mark.parametrize("policy", ["planner", "dynamo"])
+def test_the_gpu_budget_counts_workers_times_their_pools_tp(policy):
+    """Prefill workers of TP 4 and decode workers of TP 2 against a 20-GPU budget: the GPUs
+    held (draining ones included) never pass it, though the worker count alone would."""
+    from cluster.planner import make_policy
+
+    cfg = config(gpu_budget=20, prefill_gpus_per_worker=4, decode_gpus_per_worker=2)
+    planner = make_policy(policy, round_profile(), cfg)
+    have, hit = [1, 1], False
+    for i, rate in enumerate([5, 400, 900, 900, 900, 900, 900, 50, 900, 1]):
+        d = planner.decide(
+            10 * i + 10, window(10 * i, rate, 4000, 500), pools(*have, draining=(0, 1))
+        )
+        have = [d.desired[P], d.desired[D]]
+        assert have[0] * 4 + (have[1] + 1) * 2 <= 20, (i, have)
+        hit = hit or "budget" in d.causes.values()
+    assert hit  # the load asked for more than the budget holds
+
+
+def test_fit_budget_counts_gpus_per_pool():
+    # 2 P of 4 GPUs + 2 D of 1 = 10; a cap of 14 leaves 4: one more P, or four more D.
+    assert fit_budget({P: 4, D: 2}, {P: 2, D: 2}, 14, {P: 1.0}, gpus={P: 4, D: 1}) == {P: 3, D: 2}
+    assert fit_budget({P: 2, D: 9}, {P: 2, D: 2}, 14, {}, gpus={P: 4, D: 1}) == {P: 2, D: 6}
+    # Bases over the cap come down by whole workers of the least urgent pool.
+    assert fit_budget({P: 3, D: 4}, {P: 3, D: 4}, 12, {P: 2.0}, {P: 1, D: 1}, {P: 4, D: 1}) == {
+        P: 2,
+        D: 4,
+    }
+
+
 def test_fit_budget_splits_by_shortfall_then_urgency():
     assert fit_budget({P: 6, D: 6}, {P: 2, D: 2}, 8, {}) == {P: 4, D: 4}
     # Room 3 for shortfalls 3 and 4: one each by share, the last to the pool further off.

@@ -30,6 +30,17 @@ def test_a_new_worker_serves_only_from_the_end_of_its_start_up():
     assert ("decode", 1, 1) in [(p, rd, s) for t, p, rd, s, _ in r.timeline if t == 10.0]
 
 
+def test_gpu_hours_count_each_pools_workers_at_its_tp_size():
+    """Prefill workers of TP 4 and decode workers of TP 2: every worker-second is that many
+    GPU-seconds, in the total and in the per-pool split of the report."""
+    policy = FixedPolicy(prefill=1, decode=2)
+    cfg = SimConfig(prefill_gpus_per_worker=4, decode_gpus_per_worker=2)
+    r = simulate([req(0.0, 100, 50)], make_profile(), policy, cfg)
+    assert r.gpu_hours == approx((4 + 2 * 2) * r.end_s / 3600)
+    by_pool = summarize(r, {"prefill": 4, "decode": 2})["gpu_hours_by_pool"]
+    assert by_pool == approx({"prefill": 4 * r.end_s / 3600, "decode": 4 * r.end_s / 3600})
+
+
 def test_a_drained_worker_finishes_its_sequences_takes_no_new_ones_then_leaves():
     policy = ScriptedPolicy({"decode": 2}, [(10.0, {"decode": 1})])
     reqs = [

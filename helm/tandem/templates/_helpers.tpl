@@ -62,6 +62,19 @@ app.kubernetes.io/component: {{ .component }}
 {{- if gt (int .gpusPerPod) 0 }}{{ int .gpusPerPod }}{{ else }}{{ int .cpuSlots }}{{ end }}
 {{- end }}
 
+{{/* GPUs (ranks) of one worker of a pool, serving.prefillTp / serving.decodeTp:
+(dict "ctx" $ "pool" "prefill"). */}}
+{{- define "tandem.poolTp" -}}
+{{- int (index .ctx.Values.serving (printf "%sTp" .pool)) }}
+{{- end }}
+
+{{/* Workers of a pool one pod holds: a TP group is packed on one pod (STRICT_PACK), so a pod
+of S units holds S / TP of them, rounded down: (dict "ctx" $ "pool" "prefill"). */}}
+{{- define "tandem.poolWorkersPerPod" -}}
+{{- $g := index .ctx.Values .pool }}
+{{- div (int (include "tandem.poolSlots" $g)) (int (include "tandem.poolTp" .)) }}
+{{- end }}
+
 {{/*
 Checks JSON schema cannot express (it does not compare two values). Each message names the
 keys to change.
@@ -69,6 +82,15 @@ keys to change.
 {{- define "tandem.validate" -}}
 {{- $v := .Values }}
 {{- include "tandem.modelPath" . }}
+{{- if eq $v.serving.mode "disagg" }}
+{{- range $pool := list "prefill" "decode" }}
+{{- $g := index $v $pool }}
+{{- $tp := int (include "tandem.poolTp" (dict "ctx" $ "pool" $pool)) }}
+{{- if gt $tp (int (include "tandem.poolSlots" $g)) }}
+{{- fail (printf "serving.%sTp (%d) is more than a %s pod has (%s.gpusPerPod, or cpuSlots on CPU: %s): a worker's ranks are packed on one pod" $pool $tp $pool $pool (include "tandem.poolSlots" $g)) }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- /* With the planner the groups' counts come from its bounds (tandem.groupReplicas). */}}
 {{- if not $v.autoscaling.planner.enabled }}
 {{- range $pool := list "prefill" "decode" }}
@@ -83,9 +105,9 @@ keys to change.
 {{- if eq $v.serving.mode "disagg" }}
 {{- range $pool := list "prefill" "decode" }}
 {{- $g := index $v $pool }}
-{{- $cap := mul (int $g.maxReplicas) (int (include "tandem.poolSlots" $g)) }}
+{{- $cap := mul (int $g.maxReplicas) (int (include "tandem.poolWorkersPerPod" (dict "ctx" $ "pool" $pool))) }}
 {{- if gt (int (index $v.serving $pool)) $cap }}
-{{- fail (printf "serving.%s (%d actors) exceeds what %s.maxReplicas x slots per pod can hold (%d)" $pool (int (index $v.serving $pool)) $pool $cap) }}
+{{- fail (printf "serving.%s (%d actors) exceeds what %s.maxReplicas x slots per pod can hold (%d) with serving.%sTp %d: a pod of %s slots holds slots / TP workers" $pool (int (index $v.serving $pool)) $pool $cap $pool (int (include "tandem.poolTp" (dict "ctx" $ "pool" $pool))) (include "tandem.poolSlots" $g)) }}
 {{- end }}
 {{- end }}
 {{- end }}
@@ -137,9 +159,11 @@ and its capacity profile. */}}
 {{- end }}
 {{- end }}
 {{- if not (kindIs "invalid" $p.gpuBudget) }}
-{{- $floor := add (int $p.minPrefill) (int $p.minDecode) }}
+{{- $ptp := int $v.serving.prefillTp }}
+{{- $dtp := int $v.serving.decodeTp }}
+{{- $floor := add (mul (int $p.minPrefill) $ptp) (mul (int $p.minDecode) $dtp) }}
 {{- if lt (int $p.gpuBudget) $floor }}
-{{- fail (printf "autoscaling.planner.gpuBudget (%d) is below what the minimum pools hold: minPrefill + minDecode = %d workers of at least one GPU each" (int $p.gpuBudget) $floor) }}
+{{- fail (printf "autoscaling.planner.gpuBudget (%d) is below what the minimum pools hold: minPrefill x prefillTp + minDecode x decodeTp = %d x %d + %d x %d = %d GPUs" (int $p.gpuBudget) (int $p.minPrefill) $ptp (int $p.minDecode) $dtp $floor) }}
 {{- end }}
 {{- end }}
 {{- $cp := $p.capacityProfile }}
@@ -175,7 +199,7 @@ replicas start with room for serving.<pool> actors.
 {{- $g := index $v .pool }}
 {{- if $v.autoscaling.planner.enabled }}
 {{- $p := $v.autoscaling.planner }}
-{{- $slots := int (include "tandem.poolSlots" $g) }}
+{{- $slots := max 1 (int (include "tandem.poolWorkersPerPod" .)) }}
 {{- $min := div (add (int (index $p (printf "min%s" (title .pool)))) (sub $slots 1)) $slots }}
 {{- $max := div (add (int (index $p (printf "max%s" (title .pool)))) (sub $slots 1)) $slots }}
 {{- $start := div (add (int (index $v.serving .pool)) (sub $slots 1)) $slots }}
@@ -319,8 +343,8 @@ metrics-export-port: {{ $p.metrics | toString | quote }}
 {{- define "tandem.serveArgs" -}}
 {{- $v := .Values -}}
 tandem serve --model {{ include "tandem.modelPath" . | quote }} --served-model-name {{ include "tandem.servedModelName" . | quote }} --mode {{ $v.serving.mode }}
-{{- if eq $v.serving.mode "disagg" }} --prefill {{ int $v.serving.prefill }} --decode {{ int $v.serving.decode }}
-{{- else }} --replicas {{ int $v.serving.replicas }}
+{{- if eq $v.serving.mode "disagg" }} --prefill {{ int $v.serving.prefill }} --decode {{ int $v.serving.decode }} --prefill-tp {{ int $v.serving.prefillTp }} --decode-tp {{ int $v.serving.decodeTp }}
+{{- else }} --replicas {{ int $v.serving.replicas }} --tp {{ int $v.serving.tp }}
 {{- end }} --host 0.0.0.0 --port {{ int $v.router.port }} --address auto --bind-host auto --prefill-resource {{ $v.prefill.rayResource }} --decode-resource {{ $v.decode.rayResource }} --dtype {{ $v.model.dtype }} --kv-dtype {{ $v.model.kvDtype }} --prefill-quantization {{ $v.model.prefillQuantization | default "auto" }} --decode-quantization {{ $v.model.decodeQuantization | default "auto" }}
 {{- if $v.model.quantized }} --quantized{{ end }} --block-size {{ int $v.model.blockSize }}
 {{- if $v.model.kvHostCacheGb }} --kv-host-cache-gb {{ $v.model.kvHostCacheGb }}{{ end }}
