@@ -235,9 +235,11 @@ def evaluate(result: dict[str, Any], max_pct: float) -> dict[str, bool]:
 def kv_bounds(metrics: dict[str, float], serve_args: list[str]) -> dict[str, Any]:
     """The host KV tier's slots in use per worker and the router's index entries, against
     their caps (--kv-host-cache-gb's slots; --kv-index-max-entries)."""
+    from dataclasses import fields
+
     from router.config import RouterConfig
 
-    cap = RouterConfig().kv_index_max_entries
+    cap = next(f.default for f in fields(RouterConfig) if f.name == "kv_index_max_entries")
     if "--kv-index-max-entries" in serve_args:
         cap = int(serve_args[serve_args.index("--kv-index-max-entries") + 1])
     host = {}
