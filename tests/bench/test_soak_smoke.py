@@ -42,6 +42,8 @@ CHECKS = {
     "good_requests_ok",
     "bad_requests_4xx",
     "both_prefill_paths",
+    "host_pool_bounded",
+    "index_bounded",
     "clean_shutdown",
 }
 
