@@ -59,7 +59,7 @@ _SAMPLE = re.compile(r"^tandem_([a-z_]+?)(?:_total)?\{(.*)\}$")
 _COUNTERS = (
     "kv_transfer_bytes", "prefix_cache_hit_tokens", "kv_host_hit_tokens",
     "prefix_cache_query_tokens", "kv_read_blocks", "kv_reused_blocks", "kv_host_promotions",
-    "kv_host_demotions", "kv_remote_prefills", "kv_handoffs", "kv_recomputes",
+    "kv_host_demotions", "kv_remote_prefills", "kv_handoffs", "kv_recomputes", "preemptions",
 )  # fmt: skip
 
 
