@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -28,20 +27,9 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/kv_host_tier.py` from 
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import set_threads  # noqa: E402
+from benchmarks.conversations import add_conversation_flags, load_conversations  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.protocol import SamplingParams  # noqa: E402
-
-
-def conversation_turns(args, rng: random.Random, vocab: int) -> list[list[list[int]]]:
-    """Per conversation, per turn: the new user tokens (the first turn: the opening prompt)."""
-
-    def toks(n):
-        return [rng.randrange(10, vocab) for _ in range(n)]
-
-    return [
-        [toks(args.first_tokens)] + [toks(args.user_tokens) for _ in range(args.turns - 1)]
-        for _ in range(args.conversations)
-    ]
 
 
 def _meter(engine: LLMEngine, counts: dict) -> None:
@@ -111,28 +99,15 @@ def run(args, host_gb: float, convs) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="a model folder or .gguf; smollm2: fetched")
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first-tokens", type=int, default=300)
-    ap.add_argument("--user-tokens", type=int, default=40)
-    ap.add_argument("--answer-tokens", type=int, default=24)
+    add_conversation_flags(ap)
     ap.add_argument("--num-blocks", type=int, default=96, help="device KV blocks (too few)")
     ap.add_argument("--max-num-seqs", type=int, default=3)
     ap.add_argument("--host-gb", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a shared box: 1)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     set_threads(args.threads)
-    if args.model == "smollm2":
-        from tools.real_model import fetch_model
-
-        args.model = str(fetch_model("smollm2"))
-    from engine.model_info import load_hf_config
-
-    vocab = load_hf_config(args.model).vocab_size
-    convs = conversation_turns(args, random.Random(args.seed), vocab)
+    convs = load_conversations(args)
     off, on = run(args, 0.0, convs), run(args, args.host_gb, convs)
     if off.pop("answers") != on.pop("answers"):
         raise SystemExit("the answers differ between the runs: the host tier changed the output")

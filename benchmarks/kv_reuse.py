@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # allow `python benchmarks/kv_reuse.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+from benchmarks.conversations import add_conversation_flags, load_conversations  # noqa: E402
 from decode_worker.server import decode_server  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from engine.protocol import PrefillRequest, SamplingParams, TokenMessage  # noqa: E402
@@ -90,19 +90,10 @@ class Workers:
         self.ctx.term()
 
 
-def conversation_turns(args, rng: random.Random, vocab: int):
-    """Per conversation: the first prompt, then each later turn's new user message."""
-    new = lambda n: [rng.randrange(10, vocab) for _ in range(n)]  # noqa: E731
-    return [
-        (new(args.first_tokens), [new(args.user_tokens) for _ in range(args.turns - 1)])
-        for _ in range(args.conversations)
-    ]
-
-
 def run(args, reuse: bool, convs) -> dict:
     w = Workers(args.model, reuse, args.num_blocks, "reuse" if reuse else "base")
     sp = SamplingParams(max_tokens=args.answer_tokens, temperature=0, ignore_eos=True)
-    prompts = {f"c{i}": list(first) for i, (first, _) in enumerate(convs)}
+    prompts = {f"c{i}": list(turns[0]) for i, turns in enumerate(convs)}
     answers, handoffs, t0 = [], [], time.perf_counter()
     try:
         for turn in range(args.turns):
@@ -113,7 +104,7 @@ def run(args, reuse: bool, convs) -> dict:
                 if turn:
                     handoffs.append(gap)
                 if turn + 1 < args.turns:
-                    prompts[c] = prompts[c] + ids + convs[i][1][turn]
+                    prompts[c] = prompts[c] + ids + convs[i][turn + 1]
             print(
                 f"  {'reuse' if reuse else 'base '} turn {turn + 1}/{args.turns} done", flush=True
             )
@@ -135,24 +126,11 @@ def run(args, reuse: bool, convs) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="a model folder or .gguf; smollm2: fetched")
-    ap.add_argument("--conversations", type=int, default=8)
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--first-tokens", type=int, default=300)
-    ap.add_argument("--user-tokens", type=int, default=40)
-    ap.add_argument("--answer-tokens", type=int, default=24)
+    add_conversation_flags(ap)
     ap.add_argument("--num-blocks", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if args.model == "smollm2":
-        from tools.real_model import fetch_model
-
-        args.model = str(fetch_model("smollm2"))
-    from engine.model_info import load_hf_config
-
-    vocab = load_hf_config(args.model).vocab_size
-    convs = conversation_turns(args, random.Random(args.seed), vocab)
+    convs = load_conversations(args)
     base, reuse = run(args, False, convs), run(args, True, convs)
     if base.pop("answers") != reuse.pop("answers"):
         raise SystemExit("the answers differ between the runs: reuse changed what was said")

@@ -3,6 +3,8 @@
     python benchmarks/soak.py                                  # 5000 requests, 1P1D, tiny llama
     python benchmarks/soak.py --requests 150 --out /tmp/s.json # smoke
     python benchmarks/soak.py --url http://127.0.0.1:8000      # attach to a running server
+    python benchmarks/soak.py --mix multiturn --serve-arg=--kv-host-cache-gb --serve-arg=0.001
+        # multi-turn chats only (issue 24): also checks the host KV tier and the index bounded
 
 Lifecycle: start `tandem serve` 1P1D in its own session (or attach: the session of the process
 listening on --url's port) -> sample RSS and open fds of every process of that session
@@ -17,7 +19,8 @@ processes: benchmarks/serve_session.py.
 
 Checks: RSS and fd growth from "warm" to "end" under --max-growth-pct, summed and per process;
 no process appeared after warm-up; KV free == total on every worker at the end; no 5xx; every
-good request answered 200 with the expected usage; every bad one a 4xx; both prefill paths ran.
+good request answered 200 with the expected usage; every bad one a 4xx; both prefill paths ran;
+the host KV tier within its slots and the router's KV index within --kv-index-max-entries.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -45,6 +49,7 @@ from benchmarks.soak_workload import (  # noqa: E402
     Outcome,
     RequestSpec,
     WorkloadContext,
+    build_multiturn_workload,
     build_workload,
     run_one,
 )
@@ -214,6 +219,12 @@ def evaluate(result: dict[str, Any], max_pct: float) -> dict[str, bool]:
         "bad_requests_4xx": req["by_result"]["refused"] == req["bad"],
         "both_prefill_paths": paths["local"] > 0 and paths["remote"] > 0,
     }
+    b = result.get("kv_bounds")
+    if b is not None:
+        checks["host_pool_bounded"] = all(
+            h["used"] <= h["total"] for h in b["host_blocks"].values()
+        )
+        checks["index_bounded"] = b["index_entries"] <= b["index_max_entries"]
     if result["shutdown"]["exit_code"] is not None:  # only for a server this run started
         checks["clean_shutdown"] = (
             result["shutdown"]["exit_code"] == 0 and not result["shutdown"]["leftovers"]
@@ -221,9 +232,34 @@ def evaluate(result: dict[str, Any], max_pct: float) -> dict[str, bool]:
     return checks
 
 
+def kv_bounds(metrics: dict[str, float], serve_args: list[str]) -> dict[str, Any]:
+    """The host KV tier's slots in use per worker and the router's index entries, against
+    their caps (--kv-host-cache-gb's slots; --kv-index-max-entries)."""
+    from dataclasses import fields
+
+    from router.config import RouterConfig
+
+    cap = next(f.default for f in fields(RouterConfig) if f.name == "kv_index_max_entries")
+    if "--kv-index-max-entries" in serve_args:
+        cap = int(serve_args[serve_args.index("--kv-index-max-entries") + 1])
+    host = {}
+    for key, value in metrics.items():
+        m = re.match(r'tandem_kv_host_(used|total)_blocks\{.*worker="([^"]+)"', key)
+        if m:
+            host.setdefault(m.group(2), {})[m.group(1)] = int(value)
+    return {
+        "host_blocks": host,
+        "index_entries": int(metrics.get("tandem_kv_index_entries", 0)),
+        "index_max_entries": cap,
+    }
+
+
 def soak(session: ServeSession, args: argparse.Namespace) -> dict[str, Any]:
     ctx = workload_context(session, args.model, args.disagg_threshold)
-    specs = build_workload(args.requests, args.seed, ctx)
+    if args.mix == "multiturn":
+        specs = build_multiturn_workload(args.requests, args.seed, ctx, args.turns)
+    else:
+        specs = build_workload(args.requests, args.seed, ctx)
     paths0 = disagg_paths(session)
     with Sampler(session, args.sample_interval_s) as sampler:
         if args.idle_s > 0:  # a baseline: what grows with time alone, no requests
@@ -242,6 +278,7 @@ def soak(session: ServeSession, args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(args.settle_s)  # let the last frees and GC settle before the end sample
         sampler.snapshot("end")
     paths1 = disagg_paths(session)
+    bounds = kv_bounds(session.metrics(), args.serve_arg)
     idle = idle_growth(sampler.snapshots, sampler.marks) if args.idle_s > 0 else {}
     return {
         "idle_rss_growth_pct": {str(pid): pct for pid, pct in idle.items()},
@@ -251,6 +288,7 @@ def soak(session: ServeSession, args: argparse.Namespace) -> dict[str, Any]:
         "growth": growth(sampler.snapshots, args.max_growth_pct),
         "kv_blocks": kv,
         "paths": {p: paths1[p] - paths0[p] for p in paths1},
+        "kv_bounds": bounds,
         "timeline": sampler.timeline,
         "marks": sampler.marks,
     }
@@ -347,6 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-cpus", type=int, default=2, help="CPUs of the local Ray cluster")
     p.add_argument("--serve-arg", action="append", default=[], help="extra tandem serve flag")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", choices=("default", "multiturn"), default="default",
+                   help="multiturn: greedy multi-turn chats only (soak_workload.py)")  # fmt: skip
+    p.add_argument("--turns", type=int, default=4, help="--mix multiturn: turns per chat")
     p.add_argument("--progress-every", type=int, default=0, help="default: requests / 20")
     p.add_argument("--sample-interval-s", type=float, default=1.0)
     p.add_argument("--settle-s", type=float, default=3.0)
@@ -403,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"requests: {result['requests']['by_result']} 5xx={result['requests']['http_5xx']} "
         f"({result['achieved_rate_rps']} req/s over {result['duration_s']} s)")  # fmt: skip
     log(f"KV blocks at the end: {result['kv_blocks']}; prefill paths: {result['paths']}")
+    log(f"host tier and index at the end: {result['kv_bounds']}")
     for f in result["requests"]["failures"][:5]:
         log(f"FAILED #{f['index']} {f['kind']}: {f['error']}")
     log("checks: " + " ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in result["checks"].items()))

@@ -153,6 +153,41 @@ def build_workload(count: int, seed: int, ctx: WorkloadContext) -> list[RequestS
     return out
 
 
+def build_multiturn_workload(
+    count: int, seed: int, ctx: WorkloadContext, turns: int = 4, active: int = 16
+) -> list[RequestSpec]:
+    """Multi-turn chats (`--mix multiturn`, issue 24's soak): `active` conversations at a
+    time, each turn picked from a random one, its prompt the previous turn's plus a stand-in
+    answer (seeded ids, as long as that turn's max_tokens) and 8-24 new tokens; a conversation
+    ends after `turns` turns and a new one starts. Greedy token-id completions, half streamed,
+    so prefix caches, the host tier and the router's index fill, evict and turn over."""
+    rng = random.Random(seed)
+    ids = lambda n: [rng.randrange(4, ctx.vocab) for _ in range(n)]  # noqa: E731
+    convs: list[tuple[list[int], int]] = []
+    out: list[RequestSpec] = []
+    while len(out) < count:
+        while len(convs) < active:
+            convs.append((ids(rng.randint(ctx.threshold + 8, 2 * ctx.threshold)), turns))
+        j = rng.randrange(len(convs))
+        prompt, left = convs[j]
+        max_tokens, stream = rng.randint(4, 16), rng.random() < 0.5
+        body: dict[str, Any] = {"model": ctx.model, "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"ignore_eos": True, "temperature": 0, "n": 1}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": True}}
+        kind = "multiturn_stream" if stream else "multiturn"
+        out.append(RequestSpec(
+            len(out), kind, "/v1/completions", body, stream=stream, max_tokens=max_tokens,
+            prompt_tokens=len(prompt), long=len(prompt) >= ctx.threshold,
+        ))  # fmt: skip
+        nxt = prompt + ids(max_tokens) + ids(rng.randint(8, 24))
+        if left <= 1 or len(nxt) + 16 > ctx.max_model_len:
+            convs.pop(j)
+        else:
+            convs[j] = (nxt, left - 1)
+    return out
+
+
 # --------------------------------------------------------------------------- sending
 
 

@@ -8,7 +8,8 @@ Frames (engine.wire, msgspec, size-capped):
   worker is told apart from a gap). With no events for `HEARTBEAT_S` it sends a heartbeat: no
   events, `seq` = the last batch's, so a subscriber that lost the last batches sees the gap.
 - `KVSnapshotRequest` / `KVSnapshot` on the worker's ROUTER socket: every hash held now, per
-  tier, with the sequence number of the last batch already reflected in it (a resync).
+  tier, with the sequence number of the last batch already reflected in it (a resync); a
+  worker holding more hashes than one frame carries answers with several parts.
 
 `KVEventPublisher` lives in the engine server's loop thread: `BlockManager.event_sink` is its
 `record`, `flush()` runs once per loop iteration, `serve_snapshots()` answers resyncs (pending
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 MAX_EVENTS_PER_BATCH = 4096
 MAX_SNAPSHOT_HASHES = 1 << 21  # per tier: 2M blocks (~19 MB of msgpack) is past any one cache
+MAX_SNAPSHOT_PARTS = 4096
+_HASH_BYTES = 9  # one int64 in msgpack, at most
+_SNAPSHOT_OVERHEAD = 1024  # everything in a snapshot frame but its hashes, with room to spare
 HEARTBEAT_S = 1.0
 TIERS = ("device", "host")
 
@@ -81,6 +85,14 @@ class KVSnapshot(Frame):
         ],
         Meta(max_length=len(TIERS)),
     ] = {}
+    # A snapshot too big for one frame goes as `parts` frames (part 0..parts-1), the same
+    # worker, incarnation and seq in each; the listener merges them before it loads any.
+    part: Annotated[int, Meta(ge=0)] = 0
+    parts: Annotated[int, Meta(ge=1, le=MAX_SNAPSHOT_PARTS)] = 1
+
+    def check(self) -> None:
+        if self.part >= self.parts:
+            raise ValueError(f"snapshot part {self.part} of {self.parts}")
 
 
 class KVEventPublisher:
@@ -162,15 +174,27 @@ class KVEventPublisher:
                 log.error("%s: bad KV snapshot request: %s", self.worker_id, e)
                 continue
             self.flush()  # the snapshot's seq must cover every event recorded so far
-            snap = KVSnapshot(
-                self.worker_id, self.incarnation, self.seq, self.block_size, self._held()
-            )
             try:
-                frame = encode(snap, self.max_frame_bytes)
-            except WireError as e:
+                frames = [encode(s, self.max_frame_bytes) for s in self.snapshot_parts()]
+            except (WireError, ValueError) as e:
                 log.error("%s: KV snapshot not sent: %s", self.worker_id, e)
                 continue
-            self.snapshots.send_multipart([ident, *rest[:-1], frame])
+            for frame in frames:
+                self.snapshots.send_multipart([ident, *rest[:-1], frame])
+
+    def snapshot_parts(self) -> list[KVSnapshot]:
+        """What this worker holds now, cut into frames that each fit `max_frame_bytes`."""
+        per_part = max(1, (self.max_frame_bytes - _SNAPSHOT_OVERHEAD) // _HASH_BYTES)
+        flat = [(tier, h) for tier, hashes in self._held().items() for h in hashes]
+        chunks = [flat[i : i + per_part] for i in range(0, len(flat), per_part)] or [[]]
+        out = []
+        for i, chunk in enumerate(chunks):
+            tiers: dict[str, list[int]] = {}
+            for tier, h in chunk:
+                tiers.setdefault(tier, []).append(h)
+            out.append(KVSnapshot(self.worker_id, self.incarnation, self.seq, self.block_size,
+                                  tiers, part=i, parts=len(chunks)))  # fmt: skip
+        return out
 
     def sockets(self) -> list[zmq.Socket]:
         return [self.pub, self.snapshots]

@@ -70,6 +70,9 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, "reuse cached prompt-prefix blocks", aliases=("--prefix-caching",)
     )
+    decode_kv_reuse: bool = setting(
+        True, "decode role: take a remote prompt's cached leading blocks, READ only the rest"
+    )
     enable_chunked_prefill: bool = setting(
         True, "split long prompts across steps", aliases=("--chunked-prefill",)
     )
@@ -101,12 +104,9 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not self.kv_host_cache_gb >= 0:  # NaN too
             raise ValueError(f"kv_host_cache_gb must be >= 0, got {self.kv_host_cache_gb}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_role(self.role)
         parse_dtype(self.dtype)
         validate_quantization(self.quantization)
@@ -174,6 +174,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill
         )
+        self.scheduler.remote_reuse = config.decode_kv_reuse
         self.host_cache = None
         if config.kv_host_cache_gb > 0 and config.enable_prefix_caching:
             host = HostKVCache(self.cache, self.block_manager, int(config.kv_host_cache_gb * 2**30))

@@ -171,6 +171,7 @@ class Scheduler:
         self.fetching: dict[str, Sequence] = {}  # REMOTE_KV: blocks held, KV in flight
         self.num_preemptions = 0
         self.host = None  # engine.kv_host_cache.HostKVCache when --kv-host-cache-gb is set
+        self.remote_reuse = True  # --no-decode-kv-reuse: a remote prompt's blocks all READ
 
     def _allocate(self, token_ids: list[int], use_cache: bool = True, count: bool = True):
         """(block table, cached tokens, of which on the device): the prefix match goes on in
@@ -275,13 +276,16 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.kv_from_peer:
                 prompt = seq.token_ids[: seq.num_prompt_tokens]
-                if not self.bm.can_allocate(seq.num_prompt_tokens, prompt):
+                lookup = prompt if self.remote_reuse else None  # the same rule as _allocate
+                if not self.bm.can_allocate(seq.num_prompt_tokens, lookup):
                     return
                 self.waiting.popleft()
                 # Leading blocks this worker already caches are taken by reference (or copied
                 # back from its host tier); the connector reads only the rest from the peer
                 # (decode-side KV reuse).
-                seq.block_table, seq.num_reused_tokens, _ = self._allocate(prompt, count=False)
+                seq.block_table, seq.num_reused_tokens, _ = self._allocate(
+                    prompt, self.remote_reuse, count=False
+                )
                 seq.status = SeqStatus.REMOTE_KV
                 self.fetching[seq.request_id] = seq
                 plan.fetch.append(seq)

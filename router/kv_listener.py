@@ -5,8 +5,9 @@ endpoint, feeding `router.kv_index.KVIndex`, and the resyncs the index asks for.
 new incarnation, or at a new endpoint) is connected and resynced at once — so a router started
 after the workers, or a worker that restarted, is caught up without waiting for an event — and
 a worker that left the directory (or is DOWN) is disconnected and forgotten. A resync is one
-`KVSnapshotRequest` on a fresh REQ socket to the worker's snapshot endpoint, answered within
-`RESYNC_TIMEOUT_S` or abandoned (the worker's next batch or heartbeat asks again), at most one
+`KVSnapshotRequest` on a fresh DEALER socket to the worker's snapshot endpoint, answered (in
+one frame, or in parts that are merged) within `RESYNC_TIMEOUT_S` or abandoned (the worker's
+next batch or heartbeat asks again), at most one
 in flight per worker. Frames are msgspec (engine.wire), size-capped; a bad one is counted and
 dropped.
 """
@@ -105,20 +106,18 @@ class KVEventListener:
 
     async def _resync(self, wid: str) -> None:
         endpoint = self._known[wid][2]
-        sock = self._ctx.socket(zmq.REQ)
+        # DEALER, not REQ: a snapshot may come as several frames (parts) to one request.
+        sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         again = False
         try:
             sock.connect(endpoint)
-            await sock.send(encode(KVSnapshotRequest()))
-            frame = await asyncio.wait_for(sock.recv(), RESYNC_TIMEOUT_S)
-            snap = decode(frame, self.max_frame_bytes, expect=KVSnapshot)
-            if snap.worker_id != wid:
-                raise WireError(f"snapshot from {snap.worker_id!r}, asked {wid!r}")
+            await sock.send_multipart([b"", encode(KVSnapshotRequest())])
+            snap = await asyncio.wait_for(self._receive_parts(sock, wid), RESYNC_TIMEOUT_S)
             self.num_resyncs += 1
             again = self.index.load_snapshot(snap)
-        except (TimeoutError, WireError, zmq.ZMQError) as e:
+        except (TimeoutError, WireError, ValueError, zmq.ZMQError) as e:
             self.num_resync_failures += 1
             log.warning("KV index resync of %s failed: %s", wid, e)
         finally:
@@ -127,6 +126,29 @@ class KVEventListener:
                 del self._resyncing[wid]
         if again:
             self.resync(wid)
+
+    async def _receive_parts(self, sock: zmq.asyncio.Socket, wid: str) -> KVSnapshot:
+        """Every part of one snapshot, merged (parts must agree on worker, incarnation and
+        seq, and come once each)."""
+        got: dict[int, KVSnapshot] = {}
+        while True:
+            frame = (await sock.recv_multipart())[-1]
+            snap = decode(frame, self.max_frame_bytes, expect=KVSnapshot)
+            if snap.worker_id != wid:
+                raise WireError(f"snapshot from {snap.worker_id!r}, asked {wid!r}")
+            first = next(iter(got.values()), snap)
+            key = (snap.incarnation, snap.seq, snap.parts)
+            if key != (first.incarnation, first.seq, first.parts) or snap.part in got:
+                raise WireError(f"snapshot part {snap.part}/{snap.parts} does not fit the rest")
+            got[snap.part] = snap
+            if len(got) == snap.parts:
+                break
+        tiers: dict[str, list[int]] = {}
+        for i in range(len(got)):
+            for tier, hashes in got[i].tiers.items():
+                tiers.setdefault(tier, []).extend(hashes)
+        s = got[0]
+        return KVSnapshot(s.worker_id, s.incarnation, s.seq, s.block_size, tiers)
 
     async def _recv_loop(self) -> None:
         while True:

@@ -24,6 +24,7 @@ from benchmarks.soak import evaluate  # noqa: E402
 from benchmarks.soak_workload import (  # noqa: E402
     RequestSpec,
     WorkloadContext,
+    build_multiturn_workload,
     build_workload,
     check_body,
     check_events,
@@ -41,6 +42,8 @@ CHECKS = {
     "good_requests_ok",
     "bad_requests_4xx",
     "both_prefill_paths",
+    "host_pool_bounded",
+    "index_bounded",
     "clean_shutdown",
 }
 
@@ -179,6 +182,29 @@ def test_workload_is_seeded_and_mixes_every_kind() -> None:
     assert all(len(s.body["prompt"]) == s.prompt_tokens for s in good if "prompt" in s.body)
     assert any(s.n == 2 for s in good) and any(s.logprobs for s in good)
     assert all(s.abort_after_chunks and s.stream for s in a if s.kind == "abort_stream")
+
+
+def test_multiturn_workload_extends_each_conversation() -> None:
+    """--mix multiturn: each turn's prompt is an earlier turn's plus more tokens (so caches
+    hit), a conversation has at most `turns` turns, and the answers' usage is checkable."""
+    ctx = WorkloadContext("m", 1024, 64, 1024, lambda msgs: 10)
+    a = build_multiturn_workload(300, 3, ctx, turns=4)
+    assert a == build_multiturn_workload(300, 3, ctx, turns=4) and len(a) == 300
+    by_first: dict[tuple, list[list[int]]] = {}
+    for s in a:
+        p = s.body["prompt"]
+        assert s.good and s.prompt_tokens == len(p) and s.body["temperature"] == 0
+        by_first.setdefault(tuple(p[:64]), []).append(p)
+    assert max(len(v) for v in by_first.values()) == 4  # whole conversations, <= 4 turns
+    for turns in by_first.values():
+        assert all(
+            b[: len(a)] == a and len(b) > len(a) for a, b in zip(turns, turns[1:], strict=False)
+        )
+    assert {s.kind for s in a} == {"multiturn", "multiturn_stream"}
+    result = {"kv_bounds": {"host_blocks": {"d": {"used": 9, "total": 8}},
+                            "index_entries": 3, "index_max_entries": 2}}  # fmt: skip
+    checks = evaluate({**_result(), **result}, 5.0)
+    assert not checks["host_pool_bounded"] and not checks["index_bounded"]
 
 
 def test_process_labels() -> None:

@@ -206,3 +206,32 @@ def test_eos_respected_like_hf(server, e2e_model):
     server.wait_all_blocks_free()
     if server.pools != "colocated":
         check.verify(_remote_lengths(e2e_model, prompts, [40] * 8))
+
+
+def test_multiturn_benchmark_replay_on_this_server(server):
+    """benchmarks/multiturn.py's replay and accounting on this module's server (its smoke
+    test: the whole script starts a server per configuration, too slow for the suite): three
+    two-turn chats, every turn answered with its exact prompt length, the second turns served
+    partly from cache, computed tokens = prompt - cached, per-pool counters summed."""
+    from argparse import Namespace
+
+    from benchmarks import multiturn
+    from benchmarks import multiturn_workload as mw
+
+    shape = Namespace(conversations=3, turns=2, first_tokens=80, user_tokens=6, answer_tokens=4)
+    convs = mw.synthetic_conversations(shape, random.Random(1), 1000)
+    before = server.metrics()
+    results = asyncio.run(multiturn.replay(server.url, convs, 3))
+    assert sorted(results) == [(i, k) for i in range(3) for k in range(2)]
+    assert all(results[(i, k)]["prompt_tokens"] == len(convs[i][k][0]) for i, k in results)
+    assert sum(results[(i, 1)]["cached_tokens"] for i in range(3)) >= 3 * 64
+    pools = multiturn.pool_counters(before)
+    if server.pools != "colocated":  # every turn over the threshold: handed off and READ
+        was = pools["decode"]["kv_remote_prefills"]
+        name = "tandem_kv_remote_prefills_total"
+        assert server.wait_counter(name, "decode", was + 6) == was + 6
+    s = multiturn.summarize(results, server.metrics(), 1.0)
+    cached = sum(r["cached_tokens"] for r in results.values())
+    assert s["prefill_tokens_computed"] == s["prompt_tokens"] - cached
+    roles = {"colocated"} if server.pools == "colocated" else {"prefill", "decode"}
+    assert set(s["pools"]) == roles and s["ttft_ms_p50"] > 0

@@ -257,3 +257,30 @@ def test_remote_prompt_reuses_the_decode_engines_cached_prefix(model, extra):
     assert tokens == _reference(model, [prompt], sp)[0]
     assert cached == {0} and (bm.num_prefix_hit_tokens, bm.num_prefix_query_tokens) == counters
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_decode_kv_reuse_off_reads_every_block_and_waits_for_room(model):
+    """`--no-decode-kv-reuse` (the "today" baseline of benchmarks/multiturn.py): a remote
+    prompt whose leading blocks this engine caches takes none of them (the connector fills
+    every block), and the room check counts every block it needs: with the cache nearly full
+    of free-but-cached blocks the request waits for room instead of failing the step."""
+    kw = dict(model=str(model), dtype="float32", max_num_batched_tokens=128)
+    pe = LLMEngine(EngineConfig(**kw, role="prefill", num_kv_blocks=64))
+    de = LLMEngine(EngineConfig(**kw, role="decode", num_kv_blocks=8, decode_kv_reuse=False))
+    conn = CopyConnector(pe, de)
+    bs = de.block_manager.block_size
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    shared = _prompts(1, seed=5, low=3 * bs, high=3 * bs + 1)[0]
+    prompt = shared + [9, 10, 11]  # 4 blocks
+    first = _prefill(pe, [prompt], sp)
+    de.add_request("earlier", shared + [7, 8], sp)  # 4 blocks, `shared`'s 3 among them
+    de.add_request("holder", [5] * 10, sp)  # 1 block
+    de.step()  # both running: 3 blocks free, `shared`'s blocks in use
+    de.add_remote_request("r0", prompt, first["r0"], sp)
+    outputs: dict[str, list[int]] = {}
+    # MemoryError in a step if admission took `shared`'s blocks as reused (needing 1 free)
+    # and then allocated 4 fresh ones: r0 must wait until "holder" ends.
+    _drain(de, outputs)
+    assert conn.reused["r0"] == 0
+    assert [first["r0"], *outputs["r0"]] == _reference(model, [prompt], sp)[0]
+    assert de.block_manager.num_free_blocks == de.block_manager.num_blocks

@@ -24,17 +24,23 @@ _names = itertools.count()
 
 
 class Pair:
-    def __init__(self, model, lease_seconds=10.0, decode_blocks=None, start_decode=True):
+    def __init__(
+        self, model, lease_seconds=10.0, decode_blocks=None, start_decode=True,
+        prefill_kw=None, decode_kw=None, decode_faults=None,
+    ):  # fmt: skip
         n = next(_names)
         kw = dict(model=str(model), dtype="float32", max_num_batched_tokens=128)
-        pe = LLMEngine(EngineConfig(**kw, role="prefill", num_kv_blocks=64))
-        de = LLMEngine(EngineConfig(**kw, role="decode", num_kv_blocks=decode_blocks or 64))
+        pkw = {"num_kv_blocks": 64, **(prefill_kw or {})}
+        pe = LLMEngine(EngineConfig(**kw, role="prefill", **pkw))
+        dkw = {"num_kv_blocks": decode_blocks or 64, **(decode_kw or {})}
+        de = LLMEngine(EngineConfig(**kw, role="decode", **dkw))
         self.p = prefill_server(
             f"p{n}", pe, KVTransferAgent(f"p{n}", pe.cache, lease_seconds=lease_seconds)
         )
-        self.d = decode_server(
-            f"d{n}", de, KVTransferAgent(f"d{n}", de.cache, lease_seconds=lease_seconds)
+        d_agent = KVTransferAgent(
+            f"d{n}", de.cache, lease_seconds=lease_seconds, faults=decode_faults
         )
+        self.d = decode_server(f"d{n}", de, d_agent)
         self.ctx = zmq.Context()
         self.sink = self.ctx.socket(zmq.PULL)
         self.sink.bind("tcp://127.0.0.1:*")
@@ -200,5 +206,47 @@ def test_decode_reads_only_the_blocks_its_prefix_cache_lacks(model):
         assert (conn.num_remote, conn.num_reused_blocks, conn.num_read_blocks) == (1, 4, 1)
         assert conn.agent.stats().bytes_read == KVCache.bytes_per_block(pair.d.engine.cache.spec)
         assert pair.p.connector.released_reasons == {"read_done": 1}
+    finally:
+        pair.close()
+
+
+def test_blocks_demoted_and_promoted_while_reads_land(model):
+    """Both tiers under pressure during real NIXL READs. The prefill worker has 16 device
+    blocks and a host tier; the decode worker reads every block (no decode-side reuse) and
+    holds each READ back 0.3 s, so it is in flight while filler prompts evict (demote) the
+    prefill worker's other blocks; the next turn's leading blocks come back from the host
+    tier (promoted) and are handed off at once. A leased block demoted or overwritten, or a
+    promoted one read before its copy, would change the bytes read and so the tokens: all
+    answers must equal the colocated engine's, and every block comes back on both sides."""
+    host = {"kv_host_cache_gb": 0.01}
+    pair = Pair(
+        model, prefill_kw={"num_kv_blocks": 16, **host},
+        decode_kw={"decode_kv_reuse": False, **host}, decode_faults={"read_delay_s": 0.3},
+    )  # fmt: skip
+    g = iter(range(10_000))
+    fresh = lambda n: [3 + (next(g) * 7919) % 997 for _ in range(n)]  # noqa: E731
+    first = fresh(96)
+    prompts = {"t1": first, **{f"f{i}": fresh(64) for i in range(4)}}
+    prompts["t2"] = first + fresh(20)
+    prompts.update({f"g{i}": fresh(48) for i in range(3)})
+    try:
+        pair.prefill("t1", first, SP)
+        got = pair.collect(["t1"])
+        for i in range(4):  # t1's blocks leave the device cache for the host tier
+            pair.prefill(f"f{i}", prompts[f"f{i}"], SP)
+        got |= pair.collect([f"f{i}" for i in range(4)])
+        host_cache = pair.p.engine.host_cache
+        demoted, promoted = host_cache.demotions, host_cache.promotions
+        pair.prefill("t2", prompts["t2"], SP)  # promoted from host, then READ (held back)
+        for i in range(3):  # while t2's READ is in flight: more evictions, more demotions
+            pair.prefill(f"g{i}", prompts[f"g{i}"], SP)
+        got |= pair.collect(["t2", "g0", "g1", "g2"])
+        stats = (demoted, promoted, host_cache.stats())
+        assert host_cache.promotions > promoted and host_cache.demotions > demoted, stats
+        ref = LLM(model, dtype="float32").generate(list(prompts.values()), SP)
+        assert [got[r] for r in prompts] == [o.token_ids for o in ref]
+        pair.wait_free()
+        assert pair.d.connector.num_reused_blocks == 0  # every block READ
+        assert pair.p.connector.released_reasons == {"read_done": len(prompts)}
     finally:
         pair.close()
