@@ -143,7 +143,7 @@ def open_peer(nixl: NixlEndpoint, name: str, reply: HelloReply, warmup: bool, ti
         if added != name:
             raise HandshakeError(name, f"its NIXL metadata names {added!r}")
         dlist = nixl.prep_peer(name, region)
-        if warmup:
+        if warmup and plan is None:
             warm_up(nixl, name, dlist, timeout_s)
         for rank_name, metadata in (
             {} if plan is None else peer_rank_metadata(reply, plan)
@@ -152,12 +152,12 @@ def open_peer(nixl: NixlEndpoint, name: str, reply: HelloReply, warmup: bool, ti
             ranks.append(got)
             if got != rank_name:
                 raise HandshakeError(name, f"its rank's NIXL metadata names {got!r}")
-            if warmup:
-                src = next(s for s in plan.sources.values() if s.name == rank_name)
+        if warmup and plan is not None:  # blocks of another size: one row of each rank's
+            for src in [plan.sources[0]] + [s for s in plan.sources.values() if s.name in ranks]:
                 row = np.array([[src.data_base, plan.src.entry_bytes, src.device_id]], np.uint64)
-                state = nixl.warm_up_rows(rank_name, row, timeout_s)
+                state = nixl.warm_up_rows(src.name, row, timeout_s)
                 if state != "DONE":
-                    raise HandshakeError(name, f"warm-up READ of {rank_name} ended {state}")
+                    raise HandshakeError(name, f"warm-up READ of {src.name} ended {state}")
     except BaseException:
         if added is not None:
             nixl.forget_peer(added, dlist)
