@@ -16,6 +16,11 @@ the forward pass (the row-parallel projections all-reduce), and rank 0 alone com
 and samples. A worker waits for the header without a deadline (an engine may idle for hours);
 the payload and the all-reduces have `COLLECTIVE_TIMEOUT_S`.
 
+Besides steps, rank 0 can run a function on the other ranks (`TPGroup.run_hook`, command
+HOOK: a JSON request as int64 bytes on the broadcast, each rank's JSON answer in the store):
+how kv_transfer registers every rank's KV with its own NIXL agent without engine/ importing
+it (modules under `HOOK_PREFIXES` only).
+
 Failure: before each step rank 0 checks that every rank's process is alive, and a failed
 collective is reported the same way: `TPError` naming the rank and its exit status; the engine
 then refuses further steps. Workers die with rank 0 (PR_SET_PDEATHSIG) and exit when its
@@ -41,13 +46,8 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from engine.model_runner import (
-    ModelRunner,
-    build_kv,
-    forward_context,
-    kv_spec_for,
-    unpack_step,
-)
+from engine.kv_setup import build_kv, kv_spec_for
+from engine.model_runner import ModelRunner, forward_context, unpack_step
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))
 START_TIMEOUT_S = 600.0  # a rank loads its shard within this

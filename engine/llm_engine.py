@@ -25,8 +25,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KV_DTYPES, BlockManager, KVCache
 from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.kv_host_cache import HostKVCache
+from engine.kv_setup import build_kv, kv_spec_for
 from engine.loader import build_model
-from engine.model_runner import ModelRunner, build_kv, kv_spec_for
+from engine.model_runner import ModelRunner
 from engine.models.parallel import check_tp_settings
 from engine.outputs import TokenOutput
 from engine.protocol import SamplingParams

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_cache import KVCache, KVCacheSpec
+from engine.kv_cache import KVCache
 from engine.sampler import sample, token_logprobs
 from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
@@ -126,37 +126,6 @@ def unpack_step(flat: torch.Tensor, device: torch.device):
         decode_context_lens=part[4],
     )
     return part[1], part[2], meta, list(zip(copies[::2], copies[1::2], strict=True))
-
-
-def kv_spec_for(config, mc, shard, dtype: torch.dtype) -> KVCacheSpec:
-    """One rank's KVCacheSpec, as rank 0 (LLMEngine) and the other ranks (engine.distributed)
-    both build it: the rank's own KV heads, and the model's whole head layout (the transfer
-    compares the total, and maps head slices between pools of other TP sizes). `config` is an
-    EngineConfig or its fields; `shard` the rank's engine.models.parallel.Shard, None
-    without TP."""
-    return KVCacheSpec(
-        model=mc.architecture,
-        num_layers=mc.num_layers,
-        num_kv_heads=mc.num_kv_heads if shard is None else shard.num_kv_heads,
-        head_dim=mc.head_dim,
-        block_size=config.block_size,
-        dtype=dtype,
-        kv_dtype=config.kv_dtype,
-        total_kv_heads=mc.num_kv_heads,
-        kv_head_start=0 if shard is None else shard.kv_head_start,
-        tp_size=1 if shard is None else shard.size,
-    )
-
-
-def build_kv(spec: KVCacheSpec, config, mc, device: torch.device, num_blocks: int):
-    """(KVCache, attention backend) of one rank, built the same way on every rank."""
-    from engine.attention import select_backend
-
-    cache = KVCache(spec, num_blocks, device)
-    backend = select_backend(
-        config.attention_backend, device, mc.head_dim**-0.5, mc.sliding_window, config.kv_dtype
-    )
-    return cache, backend
 
 
 PROMPT_LOGPROBS_SLICE = 256  # positions per head call when scoring a prompt

@@ -237,7 +237,7 @@ def test_head_slice_rows_address_one_head_range_per_unit():
 
 def test_a_sender_whose_blocks_contradict_its_layout_is_refused_naming_both(llama):
     from engine.config import ModelConfig
-    from engine.model_runner import kv_spec_for
+    from engine.kv_setup import kv_spec_for
 
     cfg = EngineConfig(model=str(llama), **KW)
     spec = kv_spec_for(cfg, ModelConfig.from_pretrained(str(llama)), None, torch.float32)
