@@ -9,8 +9,15 @@ with half the cores and adds a broadcast per step and two all-reduces per layer,
 ratio measures the overhead, not a speed-up (that is a GPU figure: several devices' memory
 bandwidth).
 
-Usage: `python benchmarks/tp_cpu.py [--reps N] [--json PATH] [--quick]` (`--quick`: the tiny
-model, a 500-token prompt).
+`--handoff`: the KV hand-off from a TP 1, 2 and 4 prefill worker to a TP 1 decode worker
+(real engines and worker loops, the prefill ranks in their own processes, each with its own
+NIXL agent; the tiny llama, 2 KV heads: at TP 4 the heads are replicated and read from one
+holder each): READ time per request (the decode agent's `seconds / transfers`, from
+start_read to the landing of the last slice), bytes read, and NIXL rows per block, each
+against the (P1, D1) baseline measured in the same run.
+
+Usage: `python benchmarks/tp_cpu.py [--reps N] [--json PATH] [--quick] [--handoff]`
+(`--quick`: the tiny model, a 500-token prompt).
 """
 
 from __future__ import annotations
@@ -89,12 +96,87 @@ def measure(path, tp: int, threads: int, prompt_len: int, reps: int) -> dict:
     return {"prefill_s": statistics.median(prefill), "decode_step_s": statistics.median(decode)}
 
 
+def handoff(path, tp: int, prompts: list[list[int]]) -> dict:
+    """Prefill `prompts` on a TP `tp` prefill worker, hand them to a fresh TP 1 decode worker."""
+    import zmq
+
+    from decode_worker.server import decode_server
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.protocol import PrefillRequest, SamplingParams, TokenMessage
+    from engine.wire import decode, encode
+    from kv_transfer.agent import KVTransferAgent
+    from prefill_worker.server import prefill_server
+
+    kw = dict(model=str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
+    pe = LLMEngine(EngineConfig(**kw, role="prefill", tensor_parallel_size=tp))
+    de = LLMEngine(EngineConfig(**kw, role="decode"))
+    p = prefill_server(f"p{tp}", pe, KVTransferAgent(f"p{tp}", pe.cache, tp_group=pe.tp))
+    d = decode_server(f"d{tp}", de, KVTransferAgent(f"d{tp}", de.cache))
+    ctx = zmq.Context()
+    sink, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    sink.bind("tcp://127.0.0.1:*")
+    p.start()
+    d.start()
+    push.connect(p.endpoint)
+    try:
+        sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        reply = sink.getsockopt(zmq.LAST_ENDPOINT).decode()
+        for i, prompt in enumerate(prompts):  # one at a time: each READ timed on its own
+            push.send(encode(PrefillRequest(f"r{i}", prompt, sp, reply, d.worker_id, d.endpoint)))
+            while True:
+                m = decode(sink.recv(), expect=TokenMessage)
+                assert m.finish_reason != "error", m.error
+                if m.finish_reason and m.request_id == f"r{i}":
+                    break
+        stats = d.connector.agent.stats()
+        peer = next(iter(d.connector.agent._receiver._peers.values()))
+        rows = 1 if peer.plan is None else peer.plan.rows_per_block()
+        assert d.connector.num_recomputed == 0 and stats.transfers == len(prompts)
+        return {"read_ms": stats.seconds / stats.transfers * 1e3,
+                "bytes": stats.bytes_read, "rows_per_block": rows}  # fmt: skip
+    finally:
+        p.stop()
+        d.stop()
+        pe.shutdown()
+        sink.close(0)
+        push.close(0)
+        ctx.term()
+
+
+def main_handoff(args) -> None:
+    import torch
+
+    from tools.make_model import cached_model
+
+    path = cached_model("llama", "tiny", 0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (512,), generator=g).tolist() for _ in range(args.reps * 4)]
+    load0 = load_avg()
+    results = {f"P{tp},D1": handoff(path, tp, prompts) for tp in (1, 2, 4)}
+    base = results["P1,D1"]
+    for pair, r in results.items():
+        log(
+            f"{pair}: READ {r['read_ms']:.2f} ms/request (x{r['read_ms'] / base['read_ms']:.2f} "
+            f"of P1,D1), {r['bytes']} bytes (x{r['bytes'] / base['bytes']:.2f}), "
+            f"{r['rows_per_block']} NIXL rows per block"
+        )
+    log(f"{len(prompts)} prompts of 512 tokens; load average {load0:.2f} before, "
+        f"{load_avg():.2f} after (2 cores; shared box)")  # fmt: skip
+    if args.json:
+        write_json(args.json, {"machine": machine_info(2), "model": "llama/tiny",
+                               "results": results})  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--handoff", action="store_true")
     args = ap.parse_args()
+    if args.handoff:
+        main_handoff(args)
+        return
     from tools.make_model import cached_model
 
     preset, prompt_len = ("tiny", 500) if args.quick else ("small", 2047)

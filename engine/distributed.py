@@ -9,11 +9,17 @@ default group, so two engines in one process do not collide). Each rank loads on
 (engine.models.parallel) and holds a KV cache of its own KV heads, with the same block ids.
 
 Each step rank 0 broadcasts the plan as plain int64 tensors: a 2-value header (command,
-payload length), then the payload (`encode_step`: token ids, positions, slots, the attention
-metadata, block tables, and the block copies a fork made since the last step); every rank runs
+payload length), then the payload (`model_runner.pack_step`: token ids, positions, slots, the
+attention metadata, block tables, and the block copies a fork made since the last step; the
+tensor rank 0 unpacks itself, `unpack_step`); every rank runs
 the forward pass (the row-parallel projections all-reduce), and rank 0 alone computes logits
 and samples. A worker waits for the header without a deadline (an engine may idle for hours);
 the payload and the all-reduces have `COLLECTIVE_TIMEOUT_S`.
+
+Besides steps, rank 0 can run a function on the other ranks (`TPGroup.run_hook`, command
+HOOK: a JSON request as int64 bytes on the broadcast, each rank's JSON answer in the store):
+how kv_transfer registers every rank's KV with its own NIXL agent without engine/ importing
+it (modules under `HOOK_PREFIXES` only).
 
 Failure: before each step rank 0 checks that every rank's process is alive, and a failed
 collective is reported the same way: `TPError` naming the rank and its exit status; the engine
@@ -27,6 +33,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import importlib
 import json
 import os
 import signal
@@ -39,14 +46,18 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from engine.model_runner import AttentionMetadata, ModelRunner, forward_context
+from engine.kv_setup import build_kv, kv_spec_for
+from engine.model_runner import ModelRunner, forward_context, unpack_step
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))
 START_TIMEOUT_S = 600.0  # a rank loads its shard within this
 STOP_TIMEOUT_S = 10.0
 IDLE = timedelta(days=365)  # a worker's wait for the next step's header
-STEP, STOP = 1, 0
-_HEADER = 6  # n tokens, seqs, table width, decode seqs, prefill seqs, block copies
+STEP, STOP, HOOK = 1, 0, 2
+# What a rank may run besides steps (`TPGroup.run_hook`): modules under these prefixes. A
+# rank's KV memory is registered for transfer by kv_transfer (which engine/ must not import).
+HOOK_PREFIXES = ("kv_transfer.",)
+MAX_HOOK_BYTES = 1 << 16
 
 
 class TPError(RuntimeError):
@@ -86,41 +97,6 @@ class ProcessGroup:
         self.pg.allreduce([t], opts).wait()
 
 
-def encode_step(ids, positions, meta: AttentionMetadata, copies: list[int]) -> torch.Tensor:
-    """One step as one int64 tensor (see `decode_step`)."""
-    tables = meta.block_tables
-    head = [ids.shape[0], len(meta.query_start) - 1, tables.shape[1], meta.decode_idx.shape[0]]
-    head += [len(meta.prefill_idx), len(copies) // 2]
-    lists = meta.query_start + meta.num_computed + meta.context_lens + meta.prefill_idx + copies
-    parts = [ids, positions, meta.slot_mapping, meta.decode_idx, meta.decode_context_lens]
-    parts = [torch.tensor(head + lists, dtype=torch.int64)] + [p.cpu() for p in parts]
-    return torch.cat(parts + [tables.cpu().reshape(-1)])
-
-
-def decode_step(flat: torch.Tensor, device: torch.device):
-    """(ids, positions, AttentionMetadata, block copies [(src, dst)]) from `encode_step`."""
-    n, s, width, d, p, c = flat[:_HEADER].tolist()
-    at = _HEADER
-    lists = flat[at : at + 3 * s + 1 + p + 2 * c].tolist()
-    at += len(lists)
-    qs, nc, cl = lists[: s + 1], lists[s + 1 : 2 * s + 1], lists[2 * s + 1 : 3 * s + 1]
-    prefill_idx, copies = lists[3 * s + 1 : 3 * s + 1 + p], lists[3 * s + 1 + p :]
-    rest = flat[at:].to(device)
-    cuts = [0, n, 2 * n, 3 * n, 3 * n + d, 3 * n + 2 * d]
-    part = [rest[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-    meta = AttentionMetadata(
-        slot_mapping=part[2],
-        query_start=qs,
-        num_computed=nc,
-        context_lens=cl,
-        block_tables=rest[cuts[-1] :].view(s, width),
-        decode_idx=part[3],
-        prefill_idx=prefill_idx,
-        decode_context_lens=part[4],
-    )
-    return part[0], part[1], meta, list(zip(copies[::2], copies[1::2], strict=True))
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL it when the thread that started it exits."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -132,6 +108,7 @@ class TPGroup:
 
     def __init__(self, config, size: int, device: torch.device):
         self.size, self.device, self.broken, self.started = size, device, None, False
+        self.hooks = 0  # run_hook calls so far: each answers under its own store keys
         self.store = dist.TCPStore(
             "127.0.0.1", 0, size, True, timedelta(seconds=START_TIMEOUT_S), wait_for_workers=False
         )
@@ -192,6 +169,32 @@ class TPGroup:
         except RuntimeError as e:
             self.failed(e)
 
+    def run_hook(self, module: str, arg: dict) -> list[dict]:
+        """Call `module.rank_hook(cache, rank, arg) -> dict` on ranks 1..N-1 and return their
+        answers in rank order (the other ranks' share of something rank 0 sets up: their NIXL
+        agents). Request and answers travel as JSON: the request as int64 bytes on the
+        broadcast, the answers through the store."""
+        if not module.startswith(HOOK_PREFIXES):
+            raise ValueError(f"a rank hook must be under {HOOK_PREFIXES}, got {module!r}")
+        self.check_alive()
+        self.hooks += 1
+        text = json.dumps({"module": module, "arg": arg, "key": f"hook{self.hooks}/"}).encode()
+        if len(text) > MAX_HOOK_BYTES:
+            raise ValueError(f"a rank hook's argument is over {MAX_HOOK_BYTES} bytes")
+        payload = torch.tensor(list(text), dtype=torch.int64)
+        try:
+            self.group.broadcast(torch.tensor([HOOK, len(text)]).to(self.device))
+            self.group.broadcast(payload.to(self.device))
+        except RuntimeError as e:
+            self.failed(e)
+        self._wait_for(f"hook{self.hooks}/")
+        keys = [f"hook{self.hooks}/{r}" for r in range(1, self.size)]
+        answers = [json.loads(self.store.get(k)) for k in keys]
+        for rank, answer in enumerate(answers, start=1):
+            if "error" in answer:
+                raise TPError(f"rank {rank}: {module}.rank_hook failed: {answer['error']}")
+        return answers
+
     def failed(self, e: BaseException):
         """Raise TPError for a failed collective, naming a dead rank when there is one."""
         time.sleep(0.1)  # let a rank that just died be reaped
@@ -239,10 +242,10 @@ class TPModelRunner(ModelRunner):
         self.cache.copy_block = copy_and_record
 
     def prepare(self, plan):
-        ids, positions, meta = super().prepare(plan)
-        flat = encode_step(ids, positions, meta, self.copies)
+        flat = self.pack(plan, self.copies)  # the copies were made here already
         self.copies = []
         self.tp.send_step(flat)
+        ids, positions, meta, _ = unpack_step(flat, self.device)
         return ids, positions, meta
 
     def execute(self, plan):
@@ -263,9 +266,7 @@ def _is_collective_error(e: BaseException) -> bool:
 
 def _worker_model(spec: dict, group: ProcessGroup, store):
     """This rank's model, KV cache and attention backend, built as LLMEngine builds rank 0's."""
-    from engine.attention import select_backend
     from engine.config import ModelConfig, parse_dtype
-    from engine.kv_cache import KVCache, KVCacheSpec
     from engine.loader import build_model
     from engine.models.parallel import Shard
     from engine.quantization import resolve
@@ -279,24 +280,27 @@ def _worker_model(spec: dict, group: ProcessGroup, store):
     fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
     method = resolve(config.quantization, fp8_checkpoint, device)
     model = build_model(mc, dtype, device, config.load_format, config.seed, method, shard, group)
-    kv_spec = KVCacheSpec(
-        model=mc.architecture,
-        num_layers=mc.num_layers,
-        num_kv_heads=shard.num_kv_heads,
-        head_dim=mc.head_dim,
-        block_size=config.block_size,
-        dtype=dtype,
-        kv_dtype=config.kv_dtype,
-    )
-    cache = KVCache(kv_spec, int(store.get("num_blocks")), device)
-    backend = select_backend(
-        config.attention_backend, device, mc.head_dim**-0.5, mc.sliding_window, config.kv_dtype
-    )
+    kv_spec = kv_spec_for(config, mc, shard, dtype)
+    cache, backend = build_kv(kv_spec, config, mc, device, int(store.get("num_blocks")))
     return model, cache, backend
 
 
 @torch.inference_mode()
-def _serve(group: ProcessGroup, model, cache, backend) -> None:
+def _run_hook(group: ProcessGroup, cache, size: int, store) -> None:
+    """A `TPGroup.run_hook` call on this rank; its answer (or error) goes to the store."""
+    payload = torch.empty(size, dtype=torch.int64, device=group.device)
+    group.broadcast(payload)
+    req = json.loads(bytes(payload.cpu().tolist()).decode())
+    try:
+        if not req["module"].startswith(HOOK_PREFIXES):
+            raise ValueError(f"refused hook module {req['module']!r}")
+        answer = importlib.import_module(req["module"]).rank_hook(cache, group.rank, req["arg"])
+    except Exception as e:  # noqa: BLE001 - reported to rank 0, which raises TPError
+        answer = {"error": f"{type(e).__name__}: {e}"}
+    store.set(f"{req['key']}{group.rank}", json.dumps(answer))
+
+
+def _serve(group: ProcessGroup, model, cache, backend, store) -> None:
     """Run every step rank 0 broadcasts until it says STOP."""
     header = torch.zeros(2, dtype=torch.int64, device=group.device)
     while True:
@@ -304,9 +308,12 @@ def _serve(group: ProcessGroup, model, cache, backend) -> None:
         command, size = header.tolist()
         if command == STOP:
             return
+        if command == HOOK:
+            _run_hook(group, cache, size, store)
+            continue
         flat = torch.empty(size, dtype=torch.int64, device=group.device)
         group.broadcast(flat)
-        ids, positions, meta, copies = decode_step(flat.cpu(), group.device)
+        ids, positions, meta, copies = unpack_step(flat.cpu(), group.device)
         for src, dst in copies:
             cache.copy_block(src, dst)
         with forward_context(meta):
@@ -331,7 +338,7 @@ def worker_main(argv: list[str]) -> int:
     group = ProcessGroup(store, rank, size, device)
     model, cache, backend = _worker_model(spec, group, store)
     store.set(f"ready{rank}", "1")
-    _serve(group, model, cache, backend)
+    _serve(group, model, cache, backend, store)
     return 0
 
 

@@ -47,11 +47,24 @@ class KVCacheSpec:
     dtype: torch.dtype  # model compute dtype
     kv_dtype: str = "auto"
     layout: str = "block,layer,kv,slot,head,dim"
+    # Tensor parallelism: this rank holds global KV heads [kv_head_start, + num_kv_heads) of
+    # the model's `total_kv_heads` (0: as many as it holds), one of `tp_size` ranks. With more
+    # ranks than KV heads, ranks hold copies of the same head.
+    total_kv_heads: int = 0
+    kv_head_start: int = 0
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.kv_head_start <= self.total_kv_heads - self.num_kv_heads:
+            raise ValueError(
+                f"KV heads [{self.kv_head_start}, +{self.num_kv_heads}) are outside the "
+                f"model's {self.total_kv_heads}"
+            )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
 
@@ -78,7 +91,9 @@ class KVCacheSpec:
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * 4
 
     def compat_fields(self) -> dict[str, str]:
-        """The fields a transfer peer must match, as strings (for hashing and error messages)."""
+        """The fields a transfer peer must match, as strings (for hashing and error messages):
+        the model's, not this rank's share (`num_kv_heads` is the model's total), so pools of
+        different TP sizes are compatible; `head_layout` says which heads each side holds."""
         return {
             "model": self.model,
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -86,9 +101,15 @@ class KVCacheSpec:
             "block_size": str(self.block_size),
             "layout": self.layout,
             "num_layers": str(self.num_layers),
-            "num_kv_heads": str(self.num_kv_heads),
+            "num_kv_heads": str(self.total_kv_heads),
             "head_dim": str(self.head_dim),
         }
+
+    def head_layout(self) -> str:
+        """This rank's share, for messages: "tp 2, rank heads [2, 4) of 4"."""
+        end = self.kv_head_start + self.num_kv_heads
+        start, total = self.kv_head_start, self.total_kv_heads
+        return f"tp {self.tp_size}, rank heads [{start}, {end}) of {total}"
 
     def compat_hash(self) -> str:
         text = "|".join(f"{k}={v}" for k, v in sorted(self.compat_fields().items()))

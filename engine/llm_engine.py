@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import select_backend
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import KV_DTYPES, BlockManager, KVCache, KVCacheSpec
+from engine.kv_cache import KV_DTYPES, BlockManager, KVCache
 from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
 from engine.kv_host_cache import HostKVCache
+from engine.kv_setup import build_kv, kv_spec_for
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.models.parallel import check_tp_settings
@@ -153,17 +153,9 @@ class LLMEngine:
             mc, self.dtype, self.device, config.load_format, config.seed, self.quantization,
             shard, group,
         )  # fmt: skip
-        self.kv_spec = KVCacheSpec(
-            model=mc.architecture,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads if shard is None else shard.num_kv_heads,
-            head_dim=mc.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-            kv_dtype=config.kv_dtype,
-        )
+        self.kv_spec = kv_spec_for(config, mc, shard, self.dtype)
         num_blocks = config.num_kv_blocks or self._auto_num_blocks()
-        self.cache = KVCache(self.kv_spec, num_blocks, self.device)
+        self.cache, self.backend = build_kv(self.kv_spec, config, mc, self.device, num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -179,13 +171,6 @@ class LLMEngine:
         if config.kv_host_cache_gb > 0 and config.enable_prefix_caching:
             host = HostKVCache(self.cache, self.block_manager, int(config.kv_host_cache_gb * 2**30))
             self.host_cache = self.scheduler.host = host
-        self.backend = select_backend(
-            config.attention_backend,
-            self.device,
-            mc.head_dim**-0.5,
-            mc.sliding_window,
-            config.kv_dtype,
-        )
         args = (self.model, self.cache, self.backend, self.device, config.seed, mc.eos_token_ids)
         if self.tp is None:
             self.runner = ModelRunner(*args)

@@ -58,6 +58,76 @@ def get_forward_context() -> AttentionMetadata:
     return meta
 
 
+_HEADER = 6  # tokens, sequences, table width, decode seqs, prefill seqs, block copies
+
+
+def pack_step(plan: StepPlan, block_size: int, copies: list[int] = ()) -> torch.Tensor:
+    """One step as one int64 CPU tensor: a header, the per-sequence lists (query starts,
+    computed and context lengths, prefill indices, the block copies [src, dst, ...] a fork
+    made), then slots, ids, positions, decode indices and context lengths, block tables.
+
+    Rank 0 unpacks it (`unpack_step`: one host-to-device copy for the whole step, six
+    separate ones cost ~0.1 ms on a GPU) and, under TP, broadcasts the same tensor to the
+    other ranks, which unpack it the same way. Plain Python lists first, then one tensor: a
+    decode step of 64 sequences would otherwise build a few hundred tiny tensors."""
+    bs = block_size
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start, num_computed, context_lens, tables = [0], [], [], []
+    decode_idx, prefill_idx = [], []
+    for i, s in enumerate(plan.scheduled):
+        seq, n = s.seq, s.num_new_tokens
+        c = seq.num_computed_tokens
+        table = seq.block_table
+        if n == 1:
+            ids.append(seq.token_ids[c])
+            positions.append(c)
+            slots.append(table[c // bs] * bs + c % bs)
+            decode_idx.append(i)
+        else:
+            ids += seq.token_ids[c : c + n]
+            positions += range(c, c + n)
+            slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
+            prefill_idx.append(i)
+        query_start.append(query_start[-1] + n)
+        num_computed.append(c)
+        context_lens.append(c + n)
+        tables.append(table)
+    width = max(len(t) for t in tables)
+    flat = [len(ids), len(tables), width, len(decode_idx), len(prefill_idx), len(copies) // 2]
+    flat += query_start + num_computed + context_lens + prefill_idx + list(copies)
+    flat += slots + ids + positions + decode_idx + [context_lens[i] for i in decode_idx]
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def unpack_step(flat: torch.Tensor, device: torch.device):
+    """(ids, positions, AttentionMetadata, block copies [(src, dst)]) from `pack_step`'s
+    CPU tensor; the tensors are on `device`."""
+    n, s, width, d, p, c = flat[:_HEADER].tolist()
+    at = _HEADER + 3 * s + 1 + p + 2 * c
+    lists = flat[_HEADER:at].tolist()
+    qs, nc, cl = lists[: s + 1], lists[s + 1 : 2 * s + 1], lists[2 * s + 1 : 3 * s + 1]
+    prefill_idx, copies = lists[3 * s + 1 : 3 * s + 1 + p], lists[3 * s + 1 + p :]
+    rest = flat[at:].to(device)
+    cuts = [0, n, 2 * n, 3 * n, 3 * n + d, 3 * n + 2 * d]
+    part = [rest[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    meta = AttentionMetadata(
+        slot_mapping=part[0],
+        query_start=qs,
+        num_computed=nc,
+        context_lens=cl,
+        block_tables=rest[cuts[-1] :].view(s, width),
+        decode_idx=part[3],
+        prefill_idx=prefill_idx,
+        decode_context_lens=part[4],
+    )
+    return part[1], part[2], meta, list(zip(copies[::2], copies[1::2], strict=True))
+
+
 PROMPT_LOGPROBS_SLICE = 256  # positions per head call when scoring a prompt
 
 
@@ -81,53 +151,12 @@ class ModelRunner:
         self.graphs = None  # engine.cuda_graphs.DecodeGraphs once captured
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        # Plain Python lists, then one tensor each: a decode step of 64 sequences would
-        # otherwise build a few hundred tiny tensors.
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start, num_computed, context_lens, tables = [0], [], [], []
-        decode_idx, prefill_idx = [], []
-        for i, s in enumerate(plan.scheduled):
-            seq, n = s.seq, s.num_new_tokens
-            c = seq.num_computed_tokens
-            table = seq.block_table
-            if n == 1:
-                ids.append(seq.token_ids[c])
-                positions.append(c)
-                slots.append(table[c // bs] * bs + c % bs)
-                decode_idx.append(i)
-            else:
-                ids += seq.token_ids[c : c + n]
-                positions += range(c, c + n)
-                slots += [table[p // bs] * bs + p % bs for p in range(c, c + n)]
-                prefill_idx.append(i)
-            query_start.append(query_start[-1] + n)
-            num_computed.append(c)
-            context_lens.append(c + n)
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        n, d = len(ids), len(decode_idx)
-        flat = slots + ids + positions + decode_idx + [context_lens[i] for i in decode_idx]
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
-        # One host-to-device copy for the whole step (six separate ones cost ~0.1 ms on a GPU).
-        packed = torch.tensor(flat, dtype=torch.int64).to(self.device)
-        cuts = [0, n, 2 * n, 3 * n, 3 * n + d, 3 * n + 2 * d]
-        part = [packed[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
-        meta = AttentionMetadata(
-            slot_mapping=part[0],
-            query_start=query_start,
-            num_computed=num_computed,
-            context_lens=context_lens,
-            block_tables=packed[cuts[-1] :].view(len(tables), width),
-            decode_idx=part[3],
-            prefill_idx=prefill_idx,
-            decode_context_lens=part[4],
-        )
-        return part[1], part[2], meta
+        ids, positions, meta, _ = unpack_step(self.pack(plan), self.device)
+        return ids, positions, meta
+
+    def pack(self, plan: StepPlan, copies: list[int] = ()) -> torch.Tensor:
+        """The step as one int64 tensor (`pack_step`); the TP runner sends the same one."""
+        return pack_step(plan, self.block_size, copies)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> tuple[list[Sequence], list[int], list[tuple | None]]:

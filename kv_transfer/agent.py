@@ -98,6 +98,7 @@ class KVTransferAgent:
         advertise_host: str | None = None,
         progress_thread: bool = False,
         faults: FaultPlan | dict | None = None,
+        tp_group=None,
     ):
         self.name = name
         self.faults = FaultPlan.coerce(faults)  # validated before anything is started
@@ -118,6 +119,13 @@ class KVTransferAgent:
         self._check_settings()
         self.instance_id = uuid.uuid4().hex
         self._compat = Compat(self.spec.compat_fields(), self.spec.compat_hash())
+        # A tensor-parallel engine's other ranks (engine.tp): their KV is registered with
+        # agents of their own, described in our HelloReply (kv_transfer/tp_rank.py).
+        self._ranks = []
+        if tp_group is not None and getattr(tp_group, "size", 1) > 1:
+            from kv_transfer.tp_rank import rank_regions
+
+            self._ranks = rank_regions(tp_group, name, progress_thread)
         self._api_lock = threading.RLock()
         self._closed = False
         self._start_parts(bind_host, advertise_host, warmup, progress_thread)
@@ -189,6 +197,8 @@ class KVTransferAgent:
             block_bytes=r.block_bytes,
             scales_base=r.scales_base,
             scale_block_bytes=r.scale_block_bytes,
+            tp_size=self.spec.tp_size,
+            ranks=list(self._ranks),
         )
 
     # ------------------------------------------------------------------ both sides

@@ -174,6 +174,20 @@ class Hello(Frame):
     endpoint: Annotated[str, Meta(max_length=256)] = ""
 
 
+MAX_TP = 64
+
+
+class RankRegion(Frame):
+    """Another rank of a tensor-parallel sender: its own NIXL agent and KV memory (the same
+    block ids as rank 0, its own heads: `tp_layout.HeadLayout` says which)."""
+
+    rank: Annotated[int, Meta(ge=1, lt=MAX_TP)]
+    nixl_metadata: Annotated[bytes, Meta(min_length=1, max_length=512 * 1024)]
+    data_base: Annotated[int, Meta(ge=1)]
+    scales_base: Count = 0
+    device_id: Count = 0
+
+
 @message("kvx.hello_reply")
 class HelloReply(Frame):
     """The sender's answer: a refusal naming the differing fields, or what a READ needs."""
@@ -191,11 +205,16 @@ class HelloReply(Frame):
     block_bytes: Count = 0
     scales_base: Count = 0  # FP8 KV: address of block 0's scales
     scale_block_bytes: Count = 0
+    # Tensor parallelism: the sender is rank 0 of `tp_size` ranks; `ranks` are the others.
+    tp_size: Annotated[int, Meta(ge=1, le=MAX_TP)] = 1
+    ranks: Annotated[list[RankRegion], Meta(max_length=MAX_TP - 1)] = []
 
     def check(self) -> None:
         ready = self.nixl_metadata and self.num_blocks and self.block_bytes and self.data_base
         if self.ok and not ready:
             raise ValueError("an accepting HelloReply needs metadata, blocks and a base address")
+        if [r.rank for r in self.ranks] != list(range(1, self.tp_size)) and self.ok:
+            raise ValueError(f"a tp {self.tp_size} sender must list ranks 1..{self.tp_size - 1}")
 
 
 @message("kvx.renew")

@@ -165,7 +165,7 @@ class NixlEndpoint:
             name, nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         )
         dev = kv_cache.device
-        spec = kv_cache.spec
+        spec = self.spec = kv_cache.spec
         self.mem_type = "VRAM" if dev.type == "cuda" else "DRAM"
         dev_id = (dev.index or 0) if dev.type == "cuda" else 0
         self._regs = [self._agent.register_memory(kv_cache.data)]
@@ -281,6 +281,34 @@ class NixlEndpoint:
                 return call()
         except Exception as e:  # noqa: BLE001 - e.g. nixlRemoteDisconnectError
             return f"ERR ({e})"
+
+    def make_rows_read(
+        self, local_rows: np.ndarray, remote_rows: np.ndarray, peer_name: str, notif: bytes
+    ) -> Any:
+        """A READ given as explicit row lists (head slices, kv_transfer/tp_layout.py): row i of
+        the peer's `remote_rows` lands on our `local_rows[i]`; not yet posted."""
+        with self._lock:
+            local = self._agent.get_xfer_descs(local_rows, self.mem_type)
+            remote = self._agent.get_xfer_descs(remote_rows, self.mem_type)
+            return self._agent.initialize_xfer("READ", local, remote, peer_name, notif)
+
+    def warm_up_rows(self, peer_name: str, remote_row: np.ndarray, timeout_s: float) -> str:
+        """`warm_up` for a peer known by rows only (another rank of a TP sender): one READ of
+        `remote_row` (at most a block long) into scratch."""
+        local = remote_row.copy()
+        local[:, 0] = self._scratch.data_ptr()
+        local[:, 2] = self.region.device_id
+        handle = self.make_rows_read(local, remote_row, peer_name, b"")
+        try:
+            state = self.transfer(handle)
+            deadline = time.monotonic() + timeout_s
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                state = self.check(handle)
+            return state
+        finally:
+            with self._lock:
+                quietly(handle.release)
 
     # ------------------------------------------------------------------ notifications
 

@@ -67,7 +67,7 @@ from kv_transfer.events import (
     TransferStatus,
 )
 from kv_transfer.faults import FaultPlan, ReadFaults
-from kv_transfer.handshake import exchange_hello, peer_region, warm_up
+from kv_transfer.handshake import exchange_hello, open_peer
 from kv_transfer.messages import (
     MAX_RIDS_PER_RENEW,
     Abort,
@@ -82,6 +82,7 @@ from kv_transfer.messages import (
 )
 from kv_transfer.nixl import BlockRegion, NixlEndpoint, check_block_ids, chunk
 from kv_transfer.side_channel import SideChannel
+from kv_transfer.tp_layout import HeadSlice, SlicePlan
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class _PeerOut:
     seq: int = 0
     sent_at: dict[int, float] = field(default_factory=dict)  # renew seq -> monotonic send time
     awaiting_since: float | None = None  # oldest unanswered renew
+    plan: SlicePlan | None = None  # a sender of another TP layout: READs per head slice
+    ranks: list[str] = field(default_factory=list)  # its other ranks' NIXL agents we loaded
 
 
 @dataclass(slots=True)
@@ -113,7 +116,8 @@ class _Read:
     request_id: str
     peer: str
     local_ids: tuple[int, ...]
-    chunks: list[tuple[list[int], list[int]]]  # (remote ids, local ids) per READ
+    # (remote ids, local ids, head slice or None: whole blocks from the peer) per READ
+    chunks: list[tuple[list[int], list[int], HeadSlice | None]]
     lease_until: float  # monotonic; from KVReady, then from the sender's renew replies
     started_at: float
     num_bytes: int
@@ -186,25 +190,18 @@ class Receiver:
             raise HandshakeError(md.name, message, tuple(diff))
         self._channel.note_handshake()
         sock = self._channel.dealer()
-        added: str | None = None
-        dlist = None
         try:
             reply = exchange_hello(
                 sock, self._hello, md, self._cfg.handshake_timeout_s, self._cfg.max_frame_bytes
             )
-            region = peer_region(md.name, reply, self._region)
-            added = self._nixl.add_peer(reply.nixl_metadata)
-            if added != md.name:
-                raise HandshakeError(md.name, f"its NIXL metadata names {added!r}")
-            dlist = self._nixl.prep_peer(md.name, region)
-            peer = _PeerOut(md.name, md.instance_id, md.endpoint, sock, region, dlist)
-            if self._cfg.warmup:
-                warm_up(self._nixl, md.name, dlist, self._cfg.handshake_timeout_s)
+            region, dlist, plan, ranks = open_peer(
+                self._nixl, md.name, reply, self._cfg.warmup, self._cfg.handshake_timeout_s
+            )
         except BaseException:
             quietly(sock.close)
-            if added is not None:
-                self._nixl.forget_peer(added, dlist)
             raise
+        peer = _PeerOut(md.name, md.instance_id, md.endpoint, sock, region, dlist, plan=plan)
+        peer.ranks = ranks
         with self._lock:
             self._peers[md.name] = peer
             self._stats.handshakes += 1
@@ -242,13 +239,14 @@ class Receiver:
                     request_id, f"{len(remote)} remote blocks but {len(local)} local blocks"
                 )
             now = time.monotonic()
-            pairs = list(
-                zip(
-                    chunk(list(remote), self._blocks_per_chunk),
-                    chunk(list(local), self._blocks_per_chunk),
-                    strict=True,
-                )
+            pairs = zip(
+                chunk(list(remote), self._blocks_per_chunk),
+                chunk(list(local), self._blocks_per_chunk),
+                strict=True,
             )
+            # Another TP layout: a READ per head slice, rank 0's last (it carries the notif).
+            pieces = [None] if peer.plan is None else list(peer.plan.slices)
+            pairs = [(r, lo, piece) for r, lo in pairs for piece in pieces]
             read = _Read(
                 request_id,
                 peer_name,
@@ -307,11 +305,16 @@ class Receiver:
                 read, peer, time.monotonic(), "the lease expired before the next READ could start"
             ):
                 return
-            remote_ids, local_ids = read.chunks[read.next_chunk]
+            remote_ids, local_ids, piece = read.chunks[read.next_chunk]
             last = read.next_chunk == len(read.chunks) - 1
         notif = encode(ReadComplete(read.request_id)) if last else b""
         try:
-            handle = self._nixl.make_read(local_ids, peer.dlist, peer.region, remote_ids, notif)
+            if piece is None:
+                handle = self._nixl.make_read(local_ids, peer.dlist, peer.region, remote_ids, notif)
+            else:
+                mine, theirs = peer.plan.rows(piece, remote_ids, local_ids)
+                source = peer.plan.sources[piece.src_rank].name
+                handle = self._nixl.make_rows_read(mine, theirs, source, notif)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error classes
             with self._lock:
                 self._fail(read, f"could not create the READ: {e}")
@@ -586,6 +589,9 @@ class Receiver:
         if peer.dlist is not None:
             self._nixl.forget_peer(peer.name, peer.dlist)
             peer.dlist = None
+        for name in peer.ranks:
+            self._nixl.forget_peer(name, None)
+        peer.ranks = []
 
     def _release_handle(self, read: _Read) -> bool:
         if not self._release_xfer(read.handle, read.request_id):
