@@ -155,7 +155,11 @@ def _agent(worker_id: str, engine, bind_host: str, timeouts: tuple, faults: dict
     kv_faults = {k: v for k, v in (faults or {}).items() if k != "step_delay_s"}
     plan = FaultPlan.from_dict(kv_faults) if kv_faults else None
     lease_s, read_timeout_s = timeouts
-    return KVTransferAgent(worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan)
+    # A TP prefill worker: every rank registers its own KV with its own NIXL agent, and the
+    # handshake tells a reader where each rank's heads are (kv_transfer/tp_rank.py).
+    return KVTransferAgent(
+        worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan, tp_group=engine.tp
+    )
 
 
 def _prepare_ranks(tp: int, num_threads: int) -> None:

@@ -1,0 +1,77 @@
+"""`tandem serve --prefill-tp 2` on CPU: 1 prefill worker that is a tensor-parallel group of two
+ranks (its rank-0 actor in a Ray placement group, the second rank a subprocess of it, each
+rank with its own NIXL agent over its own half of the KV heads) and 1 decode worker at TP 1.
+
+Long prompts are prefilled by the TP-2 group and their KV READ by the decode worker in head
+slices from both ranks; short ones stay on the decode worker. Every answer is transformers'
+greedy fp32 text, the remote ones from transferred KV (0 recomputes, bytes read equal to the
+prompts' blocks of every head), every block comes back and the server exits cleanly.
+
+(P1, D1) is what the rest of tests/e2e serves; (P4, D1) with replicated KV heads and FP8 KV at
+(P2, D1) are proved at the worker level (tests/kv_transfer/test_tp_handoff.py); a decode
+worker at TP > 1 is refused at start (tests/cluster/test_serve_flags.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import openai
+import torch
+from e2e_helpers import TransferCheck
+
+THRESHOLD = 16
+REMOTE = [list(range(3, 3 + n)) for n in (20, 37, 64)]
+LOCAL = [[5, 9, 11, 2]]
+MAX_TOKENS = 8
+
+
+def _children(pid: int) -> list[str]:
+    """Command lines of `pid`'s child processes (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            out.append(cmdline.decode(errors="replace"))
+    return out
+
+
+def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # full length, as ignore_eos asks
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(start_serve, e2e_model):
+    flags = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", "2",
+             "--disagg-threshold", str(THRESHOLD), "--routing", "affinity")  # fmt: skip
+    with start_serve(e2e_model, *flags) as server:
+        prefill = next(w for w in server.pids() if w.startswith("prefill"))
+        ranks = [c for c in _children(server.pids()[prefill]) if "engine.distributed" in c]
+        assert len(ranks) == 1, ranks  # the prefill worker really is a group of two
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        check = TransferCheck(server, e2e_model)
+        got, paths = [], []
+        for prompt in REMOTE + LOCAL:
+            raw = client.completions.with_raw_response.create(
+                model=name, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            paths.append(raw.headers["X-Tandem-Path"])
+            choice = raw.parse().choices[0]
+            assert choice.finish_reason == "length"
+            got.append(choice.text)
+        assert paths == ["remote"] * len(REMOTE) + ["local"] * len(LOCAL)
+        check.verify([len(p) for p in REMOTE])
+        server.wait_all_blocks_free()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(e2e_model)
+    assert got == [tok.decode(ids) for ids in _hf_greedy(e2e_model, REMOTE + LOCAL)]
