@@ -68,10 +68,10 @@ def _hf_model(path: str):
 class Decode:
     """A decode worker (TP 1) and the socket its tokens come back on."""
 
-    def __init__(self, model, faults=None, **settings):
+    def __init__(self, model, faults=None, agent=None, **settings):
         n = next(_ids)
         self.engine = LLMEngine(EngineConfig(model=str(model), role="decode", **KW, **settings))
-        self.agent = KVTransferAgent(f"d{n}", self.engine.cache, faults=faults)
+        self.agent = KVTransferAgent(f"d{n}", self.engine.cache, faults=faults, **(agent or {}))
         self.server = decode_server(f"d{n}", self.engine, self.agent)
         self.ctx = zmq.Context()
         self.sink = self.ctx.socket(zmq.PULL)
@@ -82,7 +82,14 @@ class Decode:
     def run(self, prefill, prompts, timeout=60.0) -> list[list[int]]:
         """Prefill `prompts` on `prefill`, hand them here, collect every token."""
         push = self.ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
         push.connect(prefill.endpoint)
+        try:
+            return self._collect(push, prompts, timeout)
+        finally:
+            push.close(0)  # also when a check fails: close() must not hang on it
+
+    def _collect(self, push, prompts, timeout) -> list[list[int]]:
         rids = [f"r{next(_ids)}" for _ in prompts]
         for rid, p in zip(rids, prompts, strict=True):
             msg = PrefillRequest(
@@ -102,7 +109,6 @@ class Decode:
                 out[m.request_id][m.index + i] = t
             if m.finish_reason:
                 done.add(m.request_id)
-        push.close(0)
         return [[v[i] for i in sorted(v)] for v in (out[r] for r in rids)]
 
     def close(self):
@@ -201,6 +207,46 @@ def test_a_failed_read_of_one_rank_recomputes_the_whole_request(llama):
         assert d.server.connector.num_recomputed == 1
         assert d.agent.stats().bytes_read == 0
         _wait_free(p, d.server)
+    finally:
+        _stop(p)
+        d.close()
+
+
+def test_a_prefill_rank_killed_during_the_read_costs_a_recompute_not_a_wrong_answer(llama):
+    """Rank 1 of a P2 group is SIGKILLed while the decode worker's READ of its slice is held
+    back (the handshake done by an earlier request): the request is still answered exactly
+    (the dead rank's READ fails and the decode worker recomputes it whole), the decode worker
+    keeps no block, and the prefill engine names the dead rank instead of stepping on."""
+    import signal
+    import threading
+
+    from engine.distributed import TPError
+
+    d = Decode(llama, faults={"read_delay_s": 1.0}, agent={"read_timeout_s": 5.0})
+    p = _prefill(llama, 2)
+    try:
+        prompts = _prompts(6)[:2]
+        assert d.run(p, prompts[:1]) == [_hf_greedy(str(llama), tuple(prompts[0]))]
+        assert d.server.connector.num_recomputed == 0
+        rank1 = p.engine.tp.procs[0]
+
+        def kill_while_the_read_is_held():
+            deadline = time.time() + 20
+            while not d.server.connector.requests and time.time() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)  # inside the 1 s the READ is held back
+            rank1.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_while_the_read_is_held)
+        killer.start()
+        got = d.run(p, prompts[1:], timeout=30)
+        killer.join()
+        assert rank1.wait(5) == -signal.SIGKILL
+        assert got == [_hf_greedy(str(llama), tuple(prompts[1]))]
+        assert d.server.connector.num_recomputed == 1, "the dead rank's slice was not refused"
+        _wait_free(d.server)
+        with pytest.raises(TPError, match="rank 1"):
+            p.engine.tp.check_alive()
     finally:
         _stop(p)
         d.close()
