@@ -589,9 +589,8 @@ class Receiver:
         if peer.dlist is not None:
             self._nixl.forget_peer(peer.name, peer.dlist)
             peer.dlist = None
-        for name in peer.ranks:
-            self._nixl.forget_peer(name, None)
-        peer.ranks = []
+        while peer.ranks:  # its other ranks' agents (a TP sender), each forgotten once
+            self._nixl.forget_peer(peer.ranks.pop(), None)
 
     def _release_handle(self, read: _Read) -> bool:
         if not self._release_xfer(read.handle, read.request_id):
