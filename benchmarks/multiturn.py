@@ -10,7 +10,10 @@ the same conversations, one run.
 Configurations (`--configs`, each a fresh `tandem serve`, started as bench/live_server.py does):
 `today` = decode-side reuse off (`--no-decode-kv-reuse`: the decode worker READs every
 block), no host tier, `--routing affinity`; `all-on` = reuse on, `--kv-host-cache-gb`, and
-`--routing kv-events`; `reuse`, `host`, `events` = one part alone on top of `today`.
+`--routing kv-events` with prefix pull (a prefill worker READs the prompt's leading blocks
+from the worker holding more of them); `reuse`, `host`, `events`, `pull` = one part alone on
+top of `today` (`pull` needs kv-events routing: events + pull); `no-pull` = all-on without
+prefix pull.
 The workload (benchmarks/multiturn_workload.py) is built once; conversations run concurrently
 (at most --concurrency at a time), each one's turns one after another (closed loop: the trace's
 timestamps are not kept). Requests are greedy, streamed, `ignore_eos`, token-id prompts.
@@ -47,26 +50,30 @@ from bench.live_server import LiveServer  # noqa: E402
 from benchmarks import multiturn_workload as mw  # noqa: E402
 from benchmarks.conversations import add_conversation_flags, resolve_model  # noqa: E402
 
-# name -> (routing, decode-side reuse, host tier)
+# name -> (routing, decode-side reuse, host tier, prefix pull)
 CONFIGS = {
-    "today": ("affinity", False, False),
-    "all-on": ("kv-events", True, True),
-    "reuse": ("affinity", True, False),
-    "host": ("affinity", False, True),
-    "events": ("kv-events", False, False),
+    "today": ("affinity", False, False, False),
+    "all-on": ("kv-events", True, True, True),
+    "reuse": ("affinity", True, False, False),
+    "host": ("affinity", False, True, False),
+    "events": ("kv-events", False, False, False),
+    "pull": ("kv-events", False, False, True),
+    "no-pull": ("kv-events", True, True, False),
 }
 _SAMPLE = re.compile(r"^tandem_([a-z_]+?)(?:_total)?\{(.*)\}$")
 _COUNTERS = (
     "kv_transfer_bytes", "prefix_cache_hit_tokens", "kv_host_hit_tokens",
     "prefix_cache_query_tokens", "kv_read_blocks", "kv_reused_blocks", "kv_host_promotions",
     "kv_host_demotions", "kv_remote_prefills", "kv_handoffs", "kv_recomputes", "preemptions",
+    "kv_prefix_pulls", "kv_prefix_pulled_blocks", "kv_prefix_pull_bytes",
 )  # fmt: skip
 
 
 def server_flags(args, name: str) -> list[str]:
-    routing, reuse, host = CONFIGS[name]
+    routing, reuse, host, pull = CONFIGS[name]
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--dtype", "float32"]
     flags += ["--routing", routing, "--decode-kv-reuse" if reuse else "--no-decode-kv-reuse"]
+    flags += ["--prefix-pull" if pull else "--no-prefix-pull"]
     flags += ["--kv-host-cache-gb", str(args.host_gb if host else 0.0)]
     flags += ["--num-kv-blocks", str(args.num_blocks), "--block-size", str(args.block_size)]
     flags += ["--disagg-threshold", str(args.disagg_threshold), "--log-level", "WARNING"]
@@ -93,11 +100,13 @@ async def _turn(session, url: str, prompt: list[int], max_tokens: int) -> dict:
                     ttft = time.perf_counter() - t0
                 text.append(choice.get("text") or "")
             usage = chunk.get("usage") or usage
+        where = [resp.headers.get(f"X-Tandem-{h}", "") for h in ("Path", "Prefill-Worker")]
     if usage is None:
         raise RuntimeError("the stream ended without usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t0, "text": "".join(text),
-            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached}  # fmt: skip
+            "prompt_tokens": usage["prompt_tokens"], "cached_tokens": cached,
+            "where": "/".join(where)}  # fmt: skip
 
 
 async def replay(url: str, convs, concurrency: int) -> dict[tuple[int, int], dict]:
@@ -179,10 +188,19 @@ def summarize(results: dict, metrics: dict[str, float], seconds: float) -> dict:
         "prompt_tokens": sum(r["prompt_tokens"] for r in results.values()),
         "prefill_tokens_computed": computed,
         "prefill_tokens_computed_workers": int(by_workers),
-        "kv_bytes_read": int(pools.get("decode", {}).get("kv_transfer_bytes", 0)),
+        # Every READ: the decode pool's hand-offs and the prefill pool's prefix pulls.
+        "kv_bytes_read": int(
+            pools.get("decode", {}).get("kv_transfer_bytes", 0)
+            + pools.get("prefill", {}).get("kv_prefix_pull_bytes", 0)
+        ),
         "hit_ratios": _hit_ratios(pools),
         "pools": {role: {k: int(v) for k, v in c.items()} for role, c in pools.items()},
         "router_index_entries": metrics.get("tandem_kv_index_entries"),
+        # [conversation, turn, "path/prefill worker", prompt tokens, tokens computed]
+        "requests": [
+            [i, k, r["where"], r["prompt_tokens"], r["prompt_tokens"] - r["cached_tokens"]]
+            for (i, k), r in sorted(results.items())
+        ],
     }
 
 

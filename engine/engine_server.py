@@ -82,6 +82,7 @@ class ConnectorHost(Protocol):
 
     worker_id: str
     engine: LLMEngine
+    endpoint: str  # this worker's request socket (peers answer a PrefixPull there)
 
     def stream(self, request_id: str, reply_to: str, num_choices: int) -> None:
         """Stream `request_id`'s tokens from here to the router at `reply_to`."""
@@ -92,6 +93,10 @@ class ConnectorHost(Protocol):
         ...
 
     def send(self, endpoint: str, msg: Any) -> None: ...
+
+    def add_generate(self, msg: GenerateRequest) -> None:
+        """Put a local request in the engine and stream it (an error to its router if not)."""
+        ...
 
     def send_error(self, reply_to: str, request_id: str, message: str) -> None: ...
 

@@ -250,15 +250,15 @@ class BlockManager:
         hashes = prefix_block_hashes(token_ids, bs, max_blocks)
         return [(h, tuple(token_ids[b * bs : (b + 1) * bs])) for b, h in enumerate(hashes)]
 
-    def _lookup(self, token_ids: list[int]) -> list[int]:
-        """Block ids of the longest cached prefix. The last prompt token is never served from
-        cache: its logits are needed, so at least one token is always computed."""
+    def _lookup(self, token_ids: list[int], max_blocks: int | None = None) -> list[int]:
+        """Block ids of the longest cached prefix. By default the last prompt token is never
+        served from cache: its logits are needed, so at least one token is always computed."""
         if not self.enable_prefix_caching:
             return []
+        if max_blocks is None:
+            max_blocks = lookup_blocks(len(token_ids), self.block_size)
         hits = []
-        for h, chunk in self._prefix_hashes(
-            token_ids, lookup_blocks(len(token_ids), self.block_size)
-        ):
+        for h, chunk in self._prefix_hashes(token_ids, max_blocks):
             bid = self._cached.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:
                 break
@@ -278,6 +278,37 @@ class BlockManager:
         # A hit on a free block takes it out of the free queue, so it costs a free block too.
         reused_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return self.blocks_needed(num_tokens) - reused_in_use <= self.num_free_blocks
+
+    # -- blocks lent to a peer or filled from one (kv_transfer/prefix_pull.py) -----------
+    def pin_prefix(self, token_ids: list[int], first: int = 0) -> list[int]:
+        """A reference on each cached block from block `first` of the longest cached prefix
+        of `token_ids` (every whole block counts, the last one too): they cannot be evicted
+        while a peer reads them or a request is about to use them. `free` gives them back."""
+        hits = self._lookup(token_ids, len(token_ids) // self.block_size)[first:]
+        for bid in hits:
+            self._take(bid)
+        return hits
+
+    def adopt(self, block_ids: list[int], token_ids: list[int], first: int) -> int:
+        """Blocks a peer's READ just filled (taken with `allocate_blocks`; the caller keeps
+        its reference) become prefix-cache blocks `first`.. of `token_ids`, as if computed
+        here. A hash the cache already holds keeps its block (this copy stays uncached and
+        is reused first once freed). Returns how many were cached."""
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        hashes = prefix_block_hashes(token_ids, bs, first + len(block_ids))
+        cached = 0
+        for b, bid in enumerate(block_ids, start=first):
+            block, h = self.blocks[bid], hashes[b]
+            if block.hash is not None or h in self._cached:
+                continue
+            block.hash, block.token_ids = h, tuple(token_ids[b * bs : (b + 1) * bs])
+            self._cached[h] = bid
+            cached += 1
+            if self.event_sink is not None:
+                self.event_sink(STORED, h, DEVICE_TIER)
+        return cached
 
     # -- allocation ----------------------------------------------------------------------
     def _take_free(self) -> int:

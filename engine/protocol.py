@@ -114,9 +114,21 @@ class _Request(Frame):
     reply_to: Endpoint  # ZMQ endpoint of the router's token sink
 
 
+class PrefixSource(Frame):
+    """Another worker whose prefix cache holds the prompt's first `tokens` tokens (whole
+    blocks), as the router's KV index saw it: the prefill worker may READ them from there
+    instead of computing them (kv_transfer/prefix_pull.py)."""
+
+    worker_id: Name
+    endpoint: Endpoint  # its request socket, where a PrefixPull goes
+    tokens: Annotated[int, Meta(ge=1, le=MAX_IDS)]
+
+
 @message("generate")
 class GenerateRequest(_Request):
     """Whole request for one worker: prefill and decode both run there (local prefill)."""
+
+    prefix_from: PrefixSource | None = None  # a decode worker of a split pool only
 
 
 @message("prefill")
@@ -125,6 +137,7 @@ class PrefillRequest(_Request):
 
     decode_worker_id: Name
     decode_endpoint: Endpoint  # where the prefill worker sends the KV hand-off
+    prefix_from: PrefixSource | None = None
 
 
 @message("tokens")

@@ -7,7 +7,10 @@ Each `schedule()` builds one step's plan under two limits, `max_num_batched_toke
 new prompts; each takes the tokens it still needs (1 when decoding, the rest of its prompt when
 prefilling in chunks). When the KV cache cannot grow a running sequence, the youngest running
 sequence is preempted (its blocks freed, to be recomputed later) until it can. Waiting
-sequences are admitted afterwards, in arrival order, with whatever budget is left.
+sequences are admitted afterwards, in arrival order, with whatever budget is left; one whose
+prompt shares a block that a running sequence is computing now (not yet in the prefix cache)
+waits a step, keeping its place, so the shared prefix is computed once (SGLang's in-batch
+prefix caching).
 
 One admission policy for one block pool: a request whose prompt KV comes from a prefill peer
 (`Sequence.kv_from_peer`) waits in the same queue and is admitted by the same rules (a free
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.block_hash import prefix_block_hashes
 from engine.kv_cache import BlockManager
 from engine.protocol import SamplingParams
 
@@ -97,6 +101,7 @@ class Sequence:
     output_logprobs: list = field(default_factory=list)  # when sampling.logprobs is set
     cumulative_logprob: float = 0.0
     grammar: object | None = None  # engine.structured matcher when sampling.structured
+    prompt_hashes: list[int] | None = None  # the scheduler's, for in-batch prefix sharing
 
     def __post_init__(self) -> None:
         if not self.group_id:
@@ -172,6 +177,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.host = None  # engine.kv_host_cache.HostKVCache when --kv-host-cache-gb is set
         self.remote_reuse = True  # --no-decode-kv-reuse: a remote prompt's blocks all READ
+        self.num_prefix_waits = 0  # admissions put off a step for a prefix being computed
 
     def _allocate(self, token_ids: list[int], use_cache: bool = True, count: bool = True):
         """(block table, cached tokens, of which on the device): the prefix match goes on in
@@ -272,41 +278,91 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and self.num_active < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.kv_from_peer:
-                prompt = seq.token_ids[: seq.num_prompt_tokens]
-                lookup = prompt if self.remote_reuse else None  # the same rule as _allocate
-                if not self.bm.can_allocate(seq.num_prompt_tokens, lookup):
+        inflight = self._in_flight_blocks()
+        deferred: list[Sequence] = []
+        try:
+            while self.waiting and self.num_active < self.max_num_seqs:
+                seq = self.waiting[0]
+                if inflight and self._waits_for_prefix(seq, inflight):
+                    deferred.append(self.waiting.popleft())
+                    self.num_prefix_waits += 1
+                    continue
+                if seq.kv_from_peer:
+                    if not self._admit_remote(seq, plan):
+                        return
+                    continue
+                left = self._admit_local(seq, plan, budget)
+                if left is None:
                     return
-                self.waiting.popleft()
-                # Leading blocks this worker already caches are taken by reference (or copied
-                # back from its host tier); the connector reads only the rest from the peer
-                # (decode-side KV reuse).
-                seq.block_table, seq.num_reused_tokens, _ = self._allocate(
-                    prompt, self.remote_reuse, count=False
-                )
-                seq.status = SeqStatus.REMOTE_KV
-                self.fetching[seq.request_id] = seq
-                plan.fetch.append(seq)
-                continue
-            lookup = seq.token_ids if seq.sampling.prompt_logprobs is None else None
-            if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, lookup):
-                return
-            if not self.chunked:
-                if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids) > budget:
-                    return
-            self.waiting.popleft()
-            # Prompt log-probabilities need every position computed: no cached prefix.
-            use_cache = seq.sampling.prompt_logprobs is None
-            seq.block_table, seq.num_cached_tokens, on_device = self._allocate(
-                seq.token_ids, use_cache
-            )
-            seq.num_computed_tokens = seq.num_cached_tokens
-            # Promoted blocks are committed after this step, like the blocks it computes.
-            seq.num_committed_blocks = on_device // self.bm.block_size
-            seq.status = SeqStatus.RUNNING
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            plan.scheduled.append(ScheduledSeq(seq, n))
-            self.running.append(seq)
-            budget -= n
+                budget = left
+                if self.bm.enable_prefix_caching:
+                    inflight.update(self._prompt_hashes(seq)[seq.num_committed_blocks :])
+        finally:
+            self.waiting.extendleft(reversed(deferred))  # at the head again, in order
+
+    # -- in-batch prefix sharing (SGLang's): one computation of a prefix several prompts share
+    def _prompt_hashes(self, seq: Sequence) -> list[int]:
+        """The prompt's full-block hashes (computed once per sequence)."""
+        if seq.prompt_hashes is None:
+            bs = self.bm.block_size
+            prompt = seq.prompt_token_ids
+            seq.prompt_hashes = prefix_block_hashes(prompt, bs, len(prompt) // bs)
+        return seq.prompt_hashes
+
+    def _in_flight_blocks(self) -> set[int]:
+        """Hashes of prompt blocks running sequences compute and have not committed yet."""
+        if not self.bm.enable_prefix_caching:
+            return set()
+        out: set[int] = set()
+        for seq in self.running:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                out.update(self._prompt_hashes(seq)[seq.num_committed_blocks :])
+        return out
+
+    def _waits_for_prefix(self, seq: Sequence, inflight: set[int]) -> bool:
+        """Whether a prompt shares a block another sequence is computing right now: admitted
+        a step later it finds that block (and the prefix before it) cached instead of
+        computing it a second time. A prompt whose every position is computed (prompt
+        logprobs) and KV from a peer are never held back."""
+        if seq.kv_from_peer or seq.sampling.prompt_logprobs is not None:
+            return False
+        return any(h in inflight for h in self._prompt_hashes(seq))
+
+    def _admit_remote(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Admit a sequence whose prompt KV comes from a peer; False when it does not fit."""
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        lookup = prompt if self.remote_reuse else None  # the same rule as _allocate
+        if not self.bm.can_allocate(seq.num_prompt_tokens, lookup):
+            return False
+        self.waiting.popleft()
+        # Leading blocks this worker already caches are taken by reference (or copied back
+        # from its host tier); the connector reads only the rest from the peer (decode-side
+        # KV reuse).
+        seq.block_table, seq.num_reused_tokens, _ = self._allocate(
+            prompt, self.remote_reuse, count=False
+        )
+        seq.status = SeqStatus.REMOTE_KV
+        self.fetching[seq.request_id] = seq
+        plan.fetch.append(seq)
+        return True
+
+    def _admit_local(self, seq: Sequence, plan: StepPlan, budget: int) -> int | None:
+        """Admit a sequence to compute here; the budget left, or None when it does not fit."""
+        lookup = seq.token_ids if seq.sampling.prompt_logprobs is None else None
+        if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, lookup):
+            return None
+        if not self.chunked:
+            if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids) > budget:
+                return None
+        self.waiting.popleft()
+        # Prompt log-probabilities need every position computed: no cached prefix.
+        use_cache = seq.sampling.prompt_logprobs is None
+        seq.block_table, seq.num_cached_tokens, on_device = self._allocate(seq.token_ids, use_cache)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        # Promoted blocks are committed after this step, like the blocks it computes.
+        seq.num_committed_blocks = on_device // self.bm.block_size
+        seq.status = SeqStatus.RUNNING
+        n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        plan.scheduled.append(ScheduledSeq(seq, n))
+        self.running.append(seq)
+        return budget - n

@@ -1,7 +1,10 @@
 """The decode worker's KV connector: continuous batching over requests from two sources.
 
 Local prefill: a `GenerateRequest` runs here from prompt to last token (short prompts; the
-router's conditional disaggregation). The loop handles it; this connector only counts it.
+router's conditional disaggregation). The loop handles it; this connector counts it, and when
+the request names a peer holding more of its prompt (`prefix_from`) first READs those blocks
+(kv_transfer/prefix_pull.py `PrefixPuller`, admitted by `_admit_local`). Any worker's
+prefill may also READ blocks of this worker's prefix cache (`PrefixLender`).
 
 Remote prefill (the default path), from this side. The engine's scheduler owns admission (one
 policy, one block pool, engine/scheduler.py); this connector decides which blocks to read and
@@ -54,7 +57,8 @@ from engine.protocol import GenerateRequest, TokenMessage
 from engine.roles import DECODE
 from kv_transfer.errors import HandshakeError, PeerNotAllowedError, TransferError
 from kv_transfer.events import ReadDone, ReadFailed, TransferEvent, TransferStats
-from kv_transfer.messages import AgentMetadata, KVReady
+from kv_transfer.messages import AgentMetadata, KVReady, PrefixOffer, PrefixPull
+from kv_transfer.prefix_pull import PrefixLender, PrefixPuller
 
 if TYPE_CHECKING:
     from engine.engine_server import ConnectorHost
@@ -125,6 +129,10 @@ class DecodeConnector:
         self.num_reused_blocks = 0  # blocks not read: this worker's prefix cache held them
         self.num_read_blocks = 0  # blocks READ from prefill peers
         self._host: ConnectorHost | None = None
+        self.lender = PrefixLender(agent)  # prefill workers may READ our cached prefixes
+        # A local prefill may READ its prompt's leading blocks from a peer first.
+        self.puller = PrefixPuller(agent, self._admit_local)
+        self.pins: dict[str, list[int]] = {}  # local request -> prefix blocks pinned for it
 
     def attach(self, host: ConnectorHost) -> None:
         self._host = host
@@ -154,9 +162,30 @@ class DecodeConnector:
         if isinstance(msg, KVReady):
             self._queue_remote(msg)
             return True
+        if isinstance(msg, PrefixPull):  # a peer reads blocks of our prefix cache
+            self.lender.handle(self._host, msg)
+            return True
+        if isinstance(msg, PrefixOffer):
+            self.puller.on_offer(self._host, msg)
+            return True
         if isinstance(msg, GenerateRequest):
             self.num_local += 1  # a local prefill: the loop runs it, the split is counted here
+            # With a prefix source, it enters the engine once the pull is over (_admit_local).
+            return self.puller.start(self._host, msg)
         return False
+
+    def _admit_local(self, req: GenerateRequest, pins: list[int]) -> None:
+        host = self._host
+        host.add_generate(req)
+        if pins and req.request_id in host.engine.seqs and req.request_id not in self.pins:
+            self.pins[req.request_id] = pins  # freed when it finishes or is aborted
+        elif pins:
+            host.engine.block_manager.free(pins)
+
+    def _unpin(self, request_id: str) -> None:
+        pins = self.pins.pop(request_id, None)
+        if pins:
+            self._host.engine.block_manager.free(pins)
 
     def _queue_remote(self, msg: KVReady) -> None:
         rid, host = msg.request_id, self._host
@@ -232,10 +261,13 @@ class DecodeConnector:
     # -- the loop's calls --------------------------------------------------------------------
     def before_step(self) -> None:
         for ev in self.agent.poll():
+            if self.lender.on_event(self._host, ev) or self.puller.on_event(self._host, ev):
+                continue
             if isinstance(ev, ReadDone):
                 self._landed(ev.request_id)
             elif isinstance(ev, ReadFailed):
                 self._read_failed(ev.request_id, ev.reason)
+        self.puller.expire(self._host)
 
     def after_step(self) -> None:
         pass
@@ -292,6 +324,9 @@ class DecodeConnector:
 
     # -- aborts ------------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
+        self._unpin(request_id)
+        if self.puller.abort(self._host, request_id):
+            return True
         rec = self.requests.get(request_id)
         if rec is None or rec.stage is DecodeStage.ABORTED_EARLY:
             return False
@@ -316,13 +351,16 @@ class DecodeConnector:
             self._end(oldest)
 
     def request_finished(self, request_id: str) -> None:
-        pass  # a request finishes only after its record ended (committed or recomputed)
+        # A remote request finishes only after its record ended (committed or recomputed);
+        # a local one may hold prefix blocks pinned by its pull.
+        self._unpin(request_id)
 
     def has_pending_work(self) -> bool:
-        return self.num_in(DecodeStage.READING, DecodeStage.CANCELLING) > 0
+        return self.num_in(DecodeStage.READING, DecodeStage.CANCELLING) > 0 or self.puller.busy()
 
     def holds_nothing(self) -> bool:
-        return self.num_in(DecodeStage.QUEUED, DecodeStage.READING, DecodeStage.CANCELLING) == 0
+        busy = self.num_in(DecodeStage.QUEUED, DecodeStage.READING, DecodeStage.CANCELLING)
+        return busy == 0 and not self.lender.lent and not self.puller.busy()
 
     # -- load report -------------------------------------------------------------------------
     def extra_load(self) -> dict:
@@ -342,6 +380,10 @@ class DecodeConnector:
             "transfer_gbps": st.gbps,
             "refused_peers": st.refused_peers,
             "rejected_frames": st.rejected_frames,
+            "prefix_lent_blocks": self.lender.num_lent_blocks,
+            "prefix_pulls": self.puller.num_pulls,
+            "prefix_pulled_blocks": self.puller.num_pulled_blocks,
+            "prefix_pull_failures": self.puller.num_failed,
         }
 
     def close(self) -> None:

@@ -164,6 +164,39 @@ class KVReady(Frame):
                 raise ValueError("choices must not repeat one and must start with first_token's")
 
 
+@message("kvx.prefix_pull")
+class PrefixPull(Frame):
+    """Prefill worker -> a worker whose prefix cache holds leading blocks of a prompt it is
+    about to compute: hold your cached blocks from block `first_block` of `prompt_token_ids`
+    (whole blocks only) for agent `reader` to READ; answer with a `PrefixOffer` at
+    `reply_to`."""
+
+    pull_id: RequestId
+    prompt_token_ids: PromptIds
+    first_block: Count
+    reader: Name
+    reply_to: Endpoint
+
+
+@message("kvx.prefix_offer")
+class PrefixOffer(Frame):
+    """The answer to a `PrefixPull`: blocks `block_ids` (prompt blocks `first_block`.. in
+    order, possibly fewer than asked) held on `sender` until `lease_deadline`; or no blocks
+    and `error` saying why."""
+
+    pull_id: RequestId
+    sender: AgentMetadata
+    block_ids: Annotated[list[TokenId], Meta(max_length=MAX_IDS)] = []
+    lease_deadline: Finite = 0.0
+    error: Message = ""
+
+    def check(self) -> None:
+        if len(set(self.block_ids)) != len(self.block_ids):
+            raise ValueError("block_ids must not repeat a block id")
+        if self.block_ids and max(self.block_ids) >= self.sender.num_blocks:
+            raise ValueError(f"block_ids must be below the sender's {self.sender.num_blocks}")
+
+
 @message("kvx.hello")
 class Hello(Frame):
     protocol_version: Version

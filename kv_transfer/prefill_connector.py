@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.kv_connector import Handoff
@@ -36,7 +36,8 @@ from engine.protocol import PrefillRequest
 from engine.roles import PREFILL
 from kv_transfer.errors import TransferError
 from kv_transfer.events import Released, TransferEvent, TransferStats
-from kv_transfer.messages import AgentMetadata, KVReady
+from kv_transfer.messages import AgentMetadata, KVReady, PrefixOffer, PrefixPull
+from kv_transfer.prefix_pull import PrefixLender, PrefixPuller
 
 if TYPE_CHECKING:
     from engine.engine_server import ConnectorHost
@@ -63,6 +64,7 @@ class KVHolder(Protocol):
 
 
 class PrefillStage(enum.Enum):
+    PULLING = "pulling"  # reading its prompt's leading blocks from a peer first (prefix_pull)
     QUEUED = "queued"  # in the engine, prompt not done
     HELD = "held"  # its blocks are under a lease for the decode worker
     REFUSED = "refused"  # no lease could be taken: the router is told after the step
@@ -76,6 +78,7 @@ class PrefillTransfer:
     stage: PrefillStage = PrefillStage.QUEUED
     ready: KVReady | None = None  # HELD: the hand-off, until after_step sends it
     error: str = ""  # REFUSED: what the router is told
+    pins: list[int] = field(default_factory=list)  # prefix blocks kept until the prefill ends
 
 
 class PrefillConnector:
@@ -90,23 +93,56 @@ class PrefillConnector:
         self.num_handoffs = 0
         self.released_reasons: dict[str, int] = {}
         self._host: ConnectorHost | None = None
+        self.lender = PrefixLender(agent)
+        self.puller = PrefixPuller(agent, self._admit)
 
     def attach(self, host: ConnectorHost) -> None:
         self._host = host
 
     # -- frames ------------------------------------------------------------------------------
     def handle(self, msg: Any) -> bool:
-        if not isinstance(msg, PrefillRequest):
-            return False
         host = self._host
-        try:
-            host.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling)
-        except ValueError as e:
-            host.send_error(msg.reply_to, msg.request_id, str(e))
-            return True
-        self.requests[msg.request_id] = PrefillTransfer(msg)
-        host.stream(msg.request_id, msg.reply_to, msg.sampling.n)
+        if isinstance(msg, PrefixOffer):
+            self.puller.on_offer(host, msg)
+        elif isinstance(msg, PrefixPull):
+            self.lender.handle(host, msg)
+        elif not isinstance(msg, PrefillRequest):
+            return False
+        elif msg.request_id in self.requests:
+            host.send_error(
+                msg.reply_to, msg.request_id, f"request id {msg.request_id!r} is already in use"
+            )
+        elif self.puller.start(host, msg):  # admitted when the pull is over (`_admit`)
+            self.requests[msg.request_id] = PrefillTransfer(msg, PrefillStage.PULLING)
+            host.stream(msg.request_id, msg.reply_to, msg.sampling.n)
+        else:
+            self.requests[msg.request_id] = PrefillTransfer(msg)
+            self._admit(msg, [])
         return True
+
+    def _admit(self, req: PrefillRequest, pins: list[int]) -> None:
+        """Into the engine (after a prefix pull, or at once); `pins`: prefix blocks held for
+        it until its prefill is over."""
+        host, rid = self._host, req.request_id
+        rec = self.requests.get(rid)
+        try:
+            if rec is None:
+                raise ValueError("aborted")  # cannot happen today: an abort ends the pull
+            host.engine.add_request(rid, req.prompt_token_ids, req.sampling)
+        except ValueError as e:
+            if pins:
+                host.engine.block_manager.free(pins)
+            self.requests.pop(rid, None)
+            host.forget(rid)
+            if rec is not None:
+                host.send_error(req.reply_to, rid, str(e))
+            return
+        rec.stage, rec.pins = PrefillStage.QUEUED, pins
+        host.stream(rid, req.reply_to, req.sampling.n)
+
+    def _unpin(self, rec: PrefillTransfer) -> None:
+        if rec.pins:
+            self._host.engine.block_manager.free(rec.pins)
 
     # -- the engine's calls ------------------------------------------------------------------
     def on_prefilled(self, handoff: Handoff) -> bool:
@@ -114,6 +150,7 @@ class PrefillConnector:
         if rec is None:
             return False
         req = rec.request
+        self._unpin(rec)  # the request's own table holds those blocks now
         try:
             deadline = self.agent.hold(req.request_id, handoff.block_ids, req.decode_worker_id)
         except TransferError as e:
@@ -141,11 +178,15 @@ class PrefillConnector:
 
     # -- the loop's calls --------------------------------------------------------------------
     def before_step(self) -> None:
+        host = self._host
         for ev in self.agent.poll():
+            if self.lender.on_event(host, ev) or self.puller.on_event(host, ev):
+                continue
             if isinstance(ev, Released):
                 self._host.engine.release(ev.request_id)
                 self.requests.pop(ev.request_id, None)
                 self.released_reasons[ev.reason] = self.released_reasons.get(ev.reason, 0) + 1
+        self.puller.expire(host)
 
     def after_step(self) -> None:
         # The first tokens are out (the loop published them before this call); now the
@@ -169,11 +210,15 @@ class PrefillConnector:
         rec = self.requests.get(request_id)
         if rec is None:
             return False
+        if rec.stage is PrefillStage.PULLING:
+            del self.requests[request_id]
+            return self.puller.abort(self._host, request_id)
         if rec.stage is PrefillStage.HELD:
             rec.ready = None  # an abort before after_step (a failed step): never offer it
             self.agent.abort(request_id)  # blocks come back through a Released event
             return True
         del self.requests[request_id]  # QUEUED: the engine drops it and frees its blocks
+        self._unpin(rec)
         return False
 
     def abort_unknown(self, request_id: str) -> None:
@@ -183,12 +228,13 @@ class PrefillConnector:
         rec = self.requests.get(request_id)
         if rec is not None and rec.stage is PrefillStage.QUEUED:
             del self.requests[request_id]  # finished by its first token: no hand-off
+            self._unpin(rec)
 
     def has_pending_work(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self.puller.busy()
 
     def holds_nothing(self) -> bool:
-        return not self.requests and self.agent.num_held() == 0
+        return not self.requests and not self.puller.busy() and self.agent.num_held() == 0
 
     def extra_load(self) -> dict:
         st = self.agent.stats()
@@ -203,6 +249,11 @@ class PrefillConnector:
             "rejected_frames": st.rejected_frames,
             "restarted_leases": st.restarted_leases,
             "released": dict(self.released_reasons),
+            "prefix_pulls": self.puller.num_pulls,
+            "prefix_pulled_blocks": self.puller.num_pulled_blocks,
+            "prefix_pull_failures": self.puller.num_failed,
+            "prefix_pull_bytes": st.bytes_read,
+            "prefix_lent_blocks": self.lender.num_lent_blocks,
         }
 
     def close(self) -> None:

@@ -69,6 +69,11 @@ class RouterConfig:
         "affinity: by a hash of the prompt's first tokens",
         choices=ROUTING_POLICIES,
     )
+    prefix_pull: bool = setting(
+        True,
+        "kv-events routing: a prefill worker READs the prompt's leading blocks from the worker "
+        "whose cache holds more of them than its own, instead of computing them again",
+    )
     kv_index_max_entries: int = setting(
         1 << 22, "(block, worker) pairs the kv-events index holds at most (beyond: not indexed)"
     )

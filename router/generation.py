@@ -23,7 +23,13 @@ from typing import Any
 
 from msgspec.structs import replace
 
-from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
+from engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefixSource,
+    TokenMessage,
+)
 from router.config import RouterConfig
 from router.dataplane import DataPlane, SendError
 from router.detokenizer import IncrementalDetokenizer
@@ -35,6 +41,14 @@ from router.routing import LOCAL, NoWorkersError, RoutePlan, WorkerPool
 from router.signal_recorder import SignalRecorder
 
 log = logging.getLogger(__name__)
+
+
+def _prefix_source(plan: RoutePlan) -> PrefixSource | None:
+    """Where the prefill worker may READ the prompt's leading blocks (router/routing.py)."""
+    src = plan.prefix_source
+    if src is None:
+        return None
+    return PrefixSource(src.worker_id, src.request_endpoint, plan.prefix_source_tokens)
 
 
 @dataclass(slots=True)
@@ -230,7 +244,11 @@ class Generation:
         try:
             if plan.prefill is None:
                 request: Any = GenerateRequest(
-                    self.rid, parsed.prompt_ids, parsed.sampling, reply_to
+                    self.rid,
+                    parsed.prompt_ids,
+                    parsed.sampling,
+                    reply_to,
+                    prefix_from=_prefix_source(plan),
                 )
                 await dataplane.send(plan.decode.request_endpoint, request)
             else:
@@ -241,6 +259,7 @@ class Generation:
                     reply_to,
                     decode_worker_id=plan.decode.worker_id,
                     decode_endpoint=plan.decode.request_endpoint,
+                    prefix_from=_prefix_source(plan),
                 )
                 await dataplane.send(plan.prefill.request_endpoint, request)
         except SendError as e:

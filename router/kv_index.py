@@ -18,6 +18,7 @@ leaves, the other is what the worker holds.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.block_hash import lookup_blocks, prefix_block_hashes
@@ -25,6 +26,8 @@ from engine.kv_events import KVEventBatch, KVSnapshot
 
 TIER_WEIGHT = {"device": 1.0, "host": 0.5}
 MAX_BUFFERED_BATCHES = 256
+EXPECT_TTL_S = 5.0  # how long a routed prompt's blocks count as held before its events
+MAX_EXPECTED = 1 << 16  # expected blocks per worker (beyond: the oldest are dropped)
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class _Worker:
     held: dict[int, str] = field(default_factory=dict)  # hash -> fastest tier holding it
     both: set[int] = field(default_factory=set)  # hashes held in both tiers
     buffered: list[KVEventBatch] = field(default_factory=list)
+    expected: dict[int, float] = field(default_factory=dict)  # hash -> expiry (`expect`)
 
 
 class KVIndex:
@@ -46,6 +50,7 @@ class KVIndex:
         self.num_entries = 0
         self.num_overflow = 0
         self.num_events = 0
+        self.clock = time.monotonic
 
     # -- feeding ---------------------------------------------------------------------------
     def apply(self, batch: KVEventBatch) -> bool:
@@ -106,6 +111,7 @@ class KVIndex:
         w.seq = batch.seq
 
     def _add(self, wid: str, w: _Worker, h: int, tier: str) -> None:
+        w.expected.pop(h, None)
         if h in w.held:
             if tier != w.held[h]:  # held in the other tier too: the faster one counts
                 w.both.add(h)
@@ -120,6 +126,7 @@ class KVIndex:
         self.num_entries += 1
 
     def _remove(self, wid: str, w: _Worker, h: int, tier: str) -> None:
+        w.expected.pop(h, None)
         if h in w.both:  # one of two copies left: the other tier is what remains
             w.both.discard(h)
             if w.held[h] == tier:
@@ -147,6 +154,27 @@ class KVIndex:
         self.num_entries -= len(w.held)
         w.held.clear()
         w.both.clear()
+        w.expected.clear()
+
+    def expect(self, worker_id: str, hashes: list[int], ttl_s: float = EXPECT_TTL_S) -> None:
+        """The router just sent a prompt with these block hashes to `worker_id`: count them
+        as held there (on device) until its events tell, or `ttl_s` passes. Prompts sharing a
+        prefix that arrive before the first one's blocks are stored then go where that prefix
+        is being computed (Dynamo's approximate KV routing does the same with TTLs), and the
+        engine's in-batch prefix sharing computes it once."""
+        w = self._workers.get(worker_id)
+        if w is None or not w.synced or not hashes:
+            return
+        now = self.clock()
+        if len(w.expected) + len(hashes) > MAX_EXPECTED:
+            w.expected = {h: t for h, t in w.expected.items() if t > now}
+            while len(w.expected) + len(hashes) > MAX_EXPECTED and w.expected:
+                del w.expected[next(iter(w.expected))]  # oldest first (insertion order)
+        until = now + ttl_s
+        for h in hashes[:MAX_EXPECTED]:
+            if h not in w.held:
+                w.expected.pop(h, None)  # re-inserted: insertion order stays expiry order
+                w.expected[h] = until
 
     # -- reading ---------------------------------------------------------------------------
     def workers(self) -> list[str]:
@@ -168,16 +196,28 @@ class KVIndex:
         w = self._workers.get(worker_id)
         return w.block_size if w is not None and w.synced else 0
 
-    def hit_tokens(self, worker_id: str, hashes: list[int], block_size: int) -> tuple[int, float]:
+    def hit_tokens(
+        self,
+        worker_id: str,
+        hashes: list[int],
+        block_size: int,
+        tiers: tuple[str, ...] = (),
+        expected: bool = True,
+    ) -> tuple[int, float]:
         """(prompt tokens the worker holds as a leading run of `hashes`, the same weighted by
-        tier). Nothing for a worker not synced or synced with another block size."""
+        tier); `tiers`: only blocks in those count; `expected`: blocks of prompts just routed
+        there count too, as device blocks (`expect`). Nothing for a worker not synced or
+        synced with another block size."""
         w = self._workers.get(worker_id)
         if w is None or not w.synced or w.block_size != block_size:
             return 0, 0.0
         blocks, weighted = 0, 0.0
+        now = self.clock() if expected and w.expected else None
         for h in hashes:
             tier = w.held.get(h)
-            if tier is None:
+            if tier is None and now is not None and w.expected.get(h, 0.0) > now:
+                tier = "device"
+            if tier is None or (tiers and tier not in tiers):
                 break
             blocks += 1
             weighted += TIER_WEIGHT[tier]

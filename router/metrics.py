@@ -136,7 +136,17 @@ _TRANSFER_KEYS = (
         "KV blocks of remote prompts a decode worker took from its own prefix cache, unread",
     ),
     ("aborts", "tandem_worker_aborts", "Requests a worker dropped on an abort"),
-)
+    ("prefix_pulls", "tandem_kv_prefix_pulls", "Prompts whose leading blocks a prefill worker "
+     "asked a peer for instead of computing them (prefix pull)"),
+    ("prefix_pulled_blocks", "tandem_kv_prefix_pulled_blocks",
+     "KV blocks a prefill worker READ from a peer's prefix cache"),
+    ("prefix_pull_bytes", "tandem_kv_prefix_pull_bytes",
+     "KV bytes a prefill worker READ from peers' prefix caches"),
+    ("prefix_pull_failures", "tandem_kv_prefix_pull_failures",
+     "Prefix pulls that ended without the blocks (the prompt was computed)"),
+    ("prefix_lent_blocks", "tandem_kv_prefix_lent_blocks",
+     "KV blocks of this worker's prefix cache lent to a prefill worker's READ"),
+)  # fmt: skip
 
 
 class WorkerCollector:

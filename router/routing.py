@@ -22,10 +22,18 @@ router's KV index (router/kv_index.py, fed by the workers' KV events) instead of
 - Decode: the same cost, less `decode_slack` x the share of the prompt the worker holds
   (leading blocks, weighted by tier), so a worker holding the whole prompt may be up to
   `decode_slack` busier than the least loaded one and still win.
-- Local vs remote: the prompt tokens the chosen decode worker lacks (not the prompt length)
-  against `disagg_threshold`: a next turn whose history that worker holds is prefilled there.
+- Local vs remote: the prompt tokens the chosen decode worker would compute (not the prompt
+  length) against `disagg_threshold`: those it lacks, less what it could READ from the worker
+  holding the most of the prompt (prefix pull): a next turn whose history that worker holds
+  (or can read) is prefilled there.
 - Prefill: least `queued_prefill_tokens + tokens it would compute` (the prompt less what it
   holds, tier-weighted).
+- Prefix pull (`--prefix-pull`, on): when another worker's device cache holds a block or more
+  of the prompt beyond what the worker that prefills holds, the request names it
+  (`prefix_from`) and that worker READs those blocks first (kv_transfer/prefix_pull.py).
+- Blocks of a prompt just routed count as held by the worker that computes it for a few
+  seconds (`KVIndex.expect`), so prompts sharing a prefix that arrive together go where it is
+  being computed; its engine computes the prefix once (engine/scheduler.py).
 Prompt blocks are hashed exactly as the engine hashes them (engine/block_hash.py), with the
 block size each worker's snapshot declares.
 
@@ -120,6 +128,10 @@ class RoutePlan:
     # Prompt tokens the worker that prefills will compute, as the KV index sees its cache
     # (kv-events routing; None where the router does not know: affinity routing).
     computed_tokens: int | None = None
+    # Remote path: another worker whose device cache holds more of the prompt than the
+    # prefill worker, and the tokens it holds: the prefill worker READs them from there.
+    prefix_source: WorkerInfo | None = None
+    prefix_source_tokens: int = 0
 
 
 class NoWorkersError(RuntimeError):
@@ -289,22 +301,60 @@ def plan_route_kv(
     disagg_threshold: int,
     batch_norm: int = 32,
     decode_slack: float = 0.0,
+    pull: bool = True,
+    hashes: PromptHashes | None = None,
 ) -> RoutePlan:
-    """`plan_route` from the KV index: see the module docstring (`--routing kv-events`)."""
-    hashes = PromptHashes(prompt_ids)
+    """`plan_route` from the KV index: see the module docstring (`--routing kv-events`);
+    `pull`: name a prefix source for the worker that prefills (kv_transfer/prefix_pull.py)."""
+    hashes = hashes or PromptHashes(prompt_ids)
     n = len(prompt_ids)
     decodes, prefills = view.decode_workers, view.prefill_workers
     hits = {s.worker_id: _hits(index, hashes, s) for s in decodes + prefills}
     decode = choose_decode_kv(decodes, n, hits, batch_norm, decode_slack)
     decode_hit = hits[decode.worker_id][0]
-    # The tokens the decode worker lacks decide: it would compute only those locally.
-    if decide_path(n - decode_hit, disagg_threshold, len(prefills)) == LOCAL:
-        computed = _known(index, decode, n - decode_hit)
-        return RoutePlan(LOCAL, decode.info, decode_hit_tokens=decode_hit, computed_tokens=computed)
+    # Only split pools pull (a colocated replica has no KV agent to read with).
+    everyone = decodes + prefills if pull and prefills else []
+    source = choose_prefix_source(index, hashes, everyone, decode) if everyone else None
+    # The tokens the decode worker would compute decide: what neither it holds nor it could
+    # READ from the worker that holds the most.
+    held = max(decode_hit, source[1] if source else 0)
+    if decide_path(n - held, disagg_threshold, len(prefills)) == LOCAL:
+        computed = _known(index, decode, n - held)
+        plan = RoutePlan(LOCAL, decode.info, decode_hit_tokens=decode_hit, computed_tokens=computed)
+        return _pulling(plan, source)
     prefill = choose_prefill_kv(prefills, n, hits)
     prefill_hit = hits[prefill.worker_id][0]
-    computed = _known(index, prefill, n - prefill_hit)
-    return RoutePlan(REMOTE, decode.info, prefill.info, decode_hit, prefill_hit, computed)
+    source = choose_prefix_source(index, hashes, everyone, prefill) if everyone else None
+    held = max(prefill_hit, source[1] if source else 0)
+    computed = _known(index, prefill, n - held)
+    plan = RoutePlan(REMOTE, decode.info, prefill.info, decode_hit, prefill_hit, computed)
+    return _pulling(plan, source)
+
+
+def _pulling(plan: RoutePlan, source: tuple[WorkerState, int] | None) -> RoutePlan:
+    if source is not None:
+        plan.prefix_source, plan.prefix_source_tokens = source[0].info, source[1]
+    return plan
+
+
+def choose_prefix_source(
+    index: KVIndex, hashes: PromptHashes, candidates: list[WorkerState], reader: WorkerState
+) -> tuple[WorkerState, int] | None:
+    """The worker other than `reader` (the one that will prefill) whose device cache holds the
+    longest leading run of the prompt, with the tokens it holds, when that beats `reader`'s
+    own by a block or more (only device blocks can be lent; a worker with another block size
+    cannot lend)."""
+    bs = index.block_size(reader.worker_id) or reader.block_size
+    device = ("device",)
+    best, most = None, index.hit_tokens(reader.worker_id, hashes.get(bs), bs, device)[0]
+    for s in candidates:
+        if s.worker_id == reader.worker_id:
+            continue
+        # Only blocks its events reported: blocks merely routed there may not exist yet.
+        tokens = index.hit_tokens(s.worker_id, hashes.get(bs), bs, device, expected=False)[0]
+        if tokens >= most + bs:
+            best, most = s, tokens
+    return (best, most) if best is not None else None
 
 
 def _known(index: KVIndex, s: WorkerState, computed: int) -> int | None:
@@ -407,24 +457,40 @@ class WorkerPool:
     async def route(self, prompt_ids: list[int]) -> RoutePlan:
         """Pick the workers for one prompt and count it against them in the view.
         Raises NoWorkersError when no decode-capable worker is known, even after a refresh."""
+        hashes = PromptHashes(prompt_ids)  # per block size, computed once for this route
         try:
-            plan = self._plan(prompt_ids)
+            plan = self._plan(prompt_ids, hashes)
         except NoWorkersError:
             await self.refresh()  # workers may have registered since the last poll
-            plan = self._plan(prompt_ids)
+            plan = self._plan(prompt_ids, hashes)
         self._view.note_dispatch(plan, len(prompt_ids))
+        if self.kv_listener is not None:
+            self._expect(plan, hashes)
         return plan
 
-    def _plan(self, prompt_ids: list[int]) -> RoutePlan:
+    def _expect(self, plan: RoutePlan, hashes: PromptHashes) -> None:
+        """The chosen workers will hold this prompt's blocks: the index counts them from now
+        (kv_index.KVIndex.expect), before their events arrive."""
+        # Only the worker that computes: a decode worker holds a remote prompt's blocks only
+        # once its READ landed, after the prefill worker's step (too late to count on).
+        for info in (plan.prefill or plan.decode,):
+            if info is not None:
+                bs = self.kv_index.block_size(info.worker_id)
+                if bs:
+                    self.kv_index.expect(info.worker_id, hashes.get(bs))
+
+    def _plan(self, prompt_ids: list[int], hashes: PromptHashes) -> RoutePlan:
         cfg = self.config
         if self.kv_listener is not None:
             plan = plan_route_kv(
                 self._view,
                 prompt_ids,
                 self.kv_index,
+                hashes=hashes,
                 disagg_threshold=cfg.disagg_threshold,
                 batch_norm=cfg.decode_batch_norm,
                 decode_slack=cfg.decode_affinity_slack,
+                pull=cfg.prefix_pull,
             )
             for pool, hit in (
                 ("decode", plan.decode_hit_tokens),

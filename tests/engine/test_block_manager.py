@@ -99,3 +99,30 @@ def test_no_leaks_under_random_operations(ops, caching):
     for table, _, _ in live.values():
         bm.free(table)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_pinned_prefix_blocks_survive_eviction_and_adopted_blocks_are_hits():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = list(range(12))  # 3 full blocks
+    table, _ = bm.allocate(a)
+    bm.commit(table, a, 12)
+    ids = list(table)
+    bm.free(table)
+    # A peer reads blocks 1.. : pinned, they are not evicted by allocations meanwhile.
+    lent = bm.pin_prefix(a, first=1)
+    assert lent == ids[1:3] and bm.num_free_blocks == 6
+    bm.free(bm.allocate_blocks(6))  # evicts block 0 only
+    assert bm.cached_prefix_tokens(a + [0]) == 0
+    bm.free(lent)
+    # Blocks a READ filled become cache hits for the same tokens, as if computed here...
+    stored = []
+    bm.event_sink = lambda kind, h, tier: stored.append((kind, tier))
+    filled = bm.allocate_blocks(3)
+    b = list(range(100, 112))
+    assert bm.adopt(filled, b, first=0) == 3 and stored == [("stored", "device")] * 3
+    assert bm.cached_prefix_tokens(b + [0]) == 12
+    # ... and a hash the cache holds already keeps its block: the copy stays uncached.
+    dup = bm.allocate_blocks(1)
+    assert bm.adopt(dup, b, first=0) == 0 and bm.blocks[dup[0]].hash is None
+    bm.free(filled + dup)
+    assert bm.num_free_blocks == 8

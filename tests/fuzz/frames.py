@@ -41,6 +41,8 @@ from kv_transfer.messages import (
     Hello,
     HelloReply,
     KVReady,
+    PrefixOffer,
+    PrefixPull,
     ReadComplete,
     Renew,
     RenewReply,
@@ -102,6 +104,11 @@ def templates() -> list:
         ErrorReply(message="m"),
         ReadComplete(request_id="fz-c"),
         agent,
+        PrefixPull(
+            pull_id="fz-pp/prefix", prompt_token_ids=ids, first_block=0, reader="fuzz-peer",
+            reply_to=_NOWHERE,
+        ),  # fmt: skip
+        PrefixOffer(pull_id="fz-po/prefix", sender=agent, block_ids=[1], lease_deadline=1e9),
     ]
 
 
@@ -212,7 +219,9 @@ def _decoded(part: bytes):
 
 def worker_counts(part: bytes) -> bool | None:
     msg = _decoded(part)
-    if isinstance(msg, GenerateRequest | PrefillRequest | KVReady | Shutdown):
+    # Requests, hand-offs and prefix pulls (a worker answers or reads them) act, not count.
+    acting = GenerateRequest | PrefillRequest | KVReady | Shutdown | PrefixPull | PrefixOffer
+    if isinstance(msg, acting):
         return None
     return not isinstance(msg, AbortRequest)
 

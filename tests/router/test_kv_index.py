@@ -193,13 +193,64 @@ def test_kv_routing_sends_a_prompt_where_its_prefix_is_held():
     assert (plan.path, plan.decode.worker_id, plan.decode_hit_tokens) == (LOCAL, "d1", 36)
     assert plan.computed_tokens == 4  # what the planner's demand counts for it
     # A lower threshold sends it to the prefill pool, to the worker with the most cached.
-    plan = plan_route_kv(view, prompt, index, disagg_threshold=2, decode_slack=0.25)
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2, decode_slack=0.25, pull=False)
     assert (plan.path, plan.prefill.worker_id, plan.prefill_hit_tokens) == (REMOTE, "p1", 8)
-    assert plan.computed_tokens == 32
+    assert plan.computed_tokens == 32 and plan.prefix_source is None
+    # With prefix pull (the default), p1 is told to READ d1's 36 tokens: it computes 4.
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2, decode_slack=0.25)
+    assert (plan.prefix_source.worker_id, plan.prefix_source_tokens) == ("d1", 36)
+    assert plan.computed_tokens == 4
     # Affinity by hit has a limit: a holder much busier than the other loses.
     view.states["d1"].running = 32
-    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25, pull=False)
     assert plan.decode.worker_id == "d0" and plan.path == REMOTE
+    # With prefix pull, d0 READs d1's 36 tokens and computes the 4 left: under the threshold.
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    assert (plan.path, plan.decode.worker_id) == (LOCAL, "d0")
+    assert (plan.prefix_source.worker_id, plan.prefix_source_tokens) == ("d1", 36)
     # A worker the index has not synced looks empty, but that is not known: no demand figure.
     plan = plan_route_kv(view, prompt, index, disagg_threshold=100, decode_slack=0.25)
     assert (plan.path, plan.decode.worker_id, plan.computed_tokens) == (LOCAL, "d0", None)
+
+
+def test_a_prefix_source_holds_a_block_more_on_device_and_never_is_the_prefill_worker():
+    prompt = list(range(40))
+    held = prefix_block_hashes(prompt, BS, 9)
+    index = KVIndex()
+    synced(index, held[:4], wid="p0")
+    synced(index, held[:4], wid="p1")
+    synced(index, held[:3], wid="d0")
+    synced(index, held[:2], wid="d1", host=held[2:9])  # more, but in its host tier
+    view = LoadView(
+        [worker(w, r) for w, r in (("d0", "decode"), ("d1", "decode"))]
+        + [worker("p0", "prefill"), worker("p1", "prefill", queued=500)]
+    )
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2)
+    # p0 holds 16 tokens itself; p1 holds as many (no gain), d0 fewer, d1's lead is on host.
+    assert (plan.prefill.worker_id, plan.prefill_hit_tokens) == ("p0", 16)
+    assert plan.prefix_source is None and plan.computed_tokens == 24
+    synced(index, held[:5], wid="p1")  # now a block more than p0, on device
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2)
+    assert plan.prefill.worker_id == "p0"  # p1's queue is longer than its extra block
+    assert (plan.prefix_source.worker_id, plan.prefix_source_tokens) == ("p1", 20)
+    assert plan.computed_tokens == 20
+
+
+def test_blocks_of_a_routed_prompt_count_as_held_until_events_or_the_ttl():
+    prompt = list(range(40))
+    hashes = prefix_block_hashes(prompt, BS, 9)
+    index = synced(KVIndex())
+    now = [100.0]
+    index.clock = lambda: now[0]
+    index.expect("w0", hashes[:3], ttl_s=5.0)
+    assert index.hit_tokens("w0", hashes, BS) == (12, 12.0)
+    assert index.hit_tokens("w0", hashes, BS, expected=False) == (0, 0.0)
+    # Its events confirm block 0 and say block 1 was evicted: no longer expected.
+    index.apply(batch(1, ("stored", hashes[0], "device"), ("removed", hashes[1], "device")))
+    assert index.hit_tokens("w0", hashes, BS) == (4, 4.0)
+    index.expect("w0", hashes[1:2], ttl_s=5.0)
+    assert index.hit_tokens("w0", hashes, BS) == (12, 12.0)
+    now[0] = 106.0  # past the TTL: what was never stored is forgotten
+    assert index.hit_tokens("w0", hashes, BS) == (4, 4.0)
+    index.expect("nobody", hashes)  # a worker not synced is not guessed at
+    assert index.hit_tokens("nobody", hashes, BS) == (0, 0.0)
