@@ -105,7 +105,10 @@ def templates() -> list:
         ReadComplete(request_id="fz-c"),
         agent,
         PrefixPull(
-            pull_id="fz-pp/prefix", prompt_token_ids=ids, first_block=0, reader="fuzz-peer",
+            pull_id="fz-pp/prefix",
+            prompt_token_ids=ids,
+            first_block=0,
+            reader="fuzz-peer",
             reply_to=_NOWHERE,
         ),  # fmt: skip
         PrefixOffer(pull_id="fz-po/prefix", sender=agent, block_ids=[1], lease_deadline=1e9),
