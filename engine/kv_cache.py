@@ -280,6 +280,10 @@ class BlockManager:
         return self.blocks_needed(num_tokens) - reused_in_use <= self.num_free_blocks
 
     # -- blocks lent to a peer or filled from one (kv_transfer/prefix_pull.py) -----------
+    def num_cached_blocks(self, token_ids: list[int]) -> int:
+        """Leading whole blocks of `token_ids` the prefix cache holds (the last one too)."""
+        return len(self._lookup(token_ids, len(token_ids) // self.block_size))
+
     def pin_prefix(self, token_ids: list[int], first: int = 0) -> list[int]:
         """A reference on each cached block from block `first` of the longest cached prefix
         of `token_ids` (every whole block counts, the last one too): they cannot be evicted

@@ -133,11 +133,14 @@ class HostKVCache:
             self.stream.synchronize()
 
     # -- admission -----------------------------------------------------------------------
-    def _match(self, token_ids: list[int], device_blocks: int) -> list[int]:
-        """Host slots of the chain's blocks after the first `device_blocks` (device hits); the
-        last prompt token is never served from cache, as on the device."""
+    def _match(
+        self, token_ids: list[int], device_blocks: int, limit: int | None = None
+    ) -> list[int]:
+        """Host slots of the chain's blocks after the first `device_blocks` (device hits), up
+        to block `limit`; by default the last prompt token is never served from cache, as on
+        the device."""
         bs, slots, prev = self.bm.block_size, [], None
-        limit = (len(token_ids) - 1) // bs
+        limit = (len(token_ids) - 1) // bs if limit is None else limit
         for i in range(limit):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
             prev = hash_block(prev, chunk)
@@ -178,6 +181,28 @@ class HostKVCache:
         if count:  # compute saved (BlockManager.allocate's rule for its own counters)
             self.hit_tokens += hit
         return table, cached + hit, cached
+
+    def promote_for_peer(self, token_ids: list[int], device_blocks: int) -> list[int]:
+        """The host pool as the source of a transfer (kv_transfer/prefix_pull.py): copy the
+        chain's whole blocks after the first `device_blocks` from host memory into fresh device
+        blocks now, register them in the device prefix cache and return them, referenced for
+        the caller (who frees them), so a peer's NIXL READ can be served from them. Waits for
+        the copies: a READ does not follow the compute stream."""
+        bs = self.bm.block_size
+        slots = self._match(token_ids, device_blocks, len(token_ids) // bs)
+        try:
+            slots = slots[: self.bm.num_free_blocks]
+            blocks = self.bm.allocate_blocks(len(slots))
+        finally:
+            self._reserved.clear()
+        for bid, slot in zip(blocks, slots, strict=True):
+            self._copy(self.cache.data[bid], self.data[slot], self.cache.scales, self.scales,
+                       bid, slot, to_host=False)  # fmt: skip
+        self.synchronize()
+        self.promotions += len(slots)
+        self.bytes_promoted += len(slots) * self.block_bytes
+        self.bm.adopt(blocks, token_ids, device_blocks)
+        return blocks
 
     def stats(self) -> dict:
         return {

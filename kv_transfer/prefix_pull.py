@@ -32,6 +32,10 @@ prefill connector's `_admit`, the decode connector's `_admit_local`) and frees t
 blocks when its prefill is over (prefill: on the hand-off; decode: when it finishes or is
 aborted).
 
+The holder lends from either tier: blocks its host pool holds past its device prefix are
+copied back into device blocks first (`HostKVCache.promote_for_peer`), so the host tier is a
+source of transfers too.
+
 Not pulled: a reader at tensor parallelism > 1 (its other ranks' caches would need READ orders
 of their own), a request that wants prompt logprobs (every position is computed anyway), a
 gain under one block.
@@ -73,8 +77,8 @@ class PrefixLender:
         self.num_refused = 0
 
     def handle(self, host: ConnectorHost, msg: PrefixPull) -> None:
+        blocks = self._pin(host.engine, msg.prompt_token_ids, msg.first_block)
         bm = host.engine.block_manager
-        blocks = bm.pin_prefix(msg.prompt_token_ids, msg.first_block)
         error = "" if blocks else "this worker's prefix cache no longer holds those blocks"
         deadline = 0.0
         if blocks:
@@ -92,6 +96,18 @@ class PrefixLender:
             msg.reply_to,
             PrefixOffer(msg.pull_id, self.agent.agent_metadata(), list(blocks), deadline, error),
         )
+
+    @staticmethod
+    def _pin(engine, prompt: list[int], first: int) -> list[int]:
+        """The cached blocks from block `first` on: the device's, then (with a host tier) the
+        host pool's that continue the chain, copied back to the device to be read."""
+        bm = engine.block_manager
+        blocks = bm.pin_prefix(prompt, first)
+        host = getattr(engine, "host_cache", None)
+        on_device = first + len(blocks)
+        if host is not None and on_device == bm.num_cached_blocks(prompt):
+            blocks += host.promote_for_peer(prompt, on_device)
+        return blocks
 
     def on_event(self, host: ConnectorHost, ev: TransferEvent) -> bool:
         """Unpin on a lent lease's `Released`; False for events that are not ours."""

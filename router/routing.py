@@ -28,8 +28,8 @@ router's KV index (router/kv_index.py, fed by the workers' KV events) instead of
   (or can read) is prefilled there.
 - Prefill: least `queued_prefill_tokens + tokens it would compute` (the prompt less what it
   holds, tier-weighted).
-- Prefix pull (`--prefix-pull`, on): when another worker's device cache holds a block or more
-  of the prompt beyond what the worker that prefills holds, the request names it
+- Prefix pull (`--prefix-pull`, on): when another worker's cache (either tier) holds a block
+  or more of the prompt beyond what the worker that prefills holds, the request names it
   (`prefix_from`) and that worker READs those blocks first (kv_transfer/prefix_pull.py).
 - Blocks of a prompt just routed count as held by the worker that computes it for a few
   seconds (`KVIndex.expect`), so prompts sharing a prefix that arrive together go where it is
@@ -340,18 +340,17 @@ def _pulling(plan: RoutePlan, source: tuple[WorkerState, int] | None) -> RoutePl
 def choose_prefix_source(
     index: KVIndex, hashes: PromptHashes, candidates: list[WorkerState], reader: WorkerState
 ) -> tuple[WorkerState, int] | None:
-    """The worker other than `reader` (the one that will prefill) whose device cache holds the
-    longest leading run of the prompt, with the tokens it holds, when that beats `reader`'s
-    own by a block or more (only device blocks can be lent; a worker with another block size
-    cannot lend)."""
+    """The worker other than `reader` (the one that will prefill) whose cache (device and host
+    tiers: a holder lends host blocks too) holds the longest leading run of the prompt, with
+    the tokens it holds, when that beats `reader`'s own by a block or more (a worker with
+    another block size cannot lend)."""
     bs = index.block_size(reader.worker_id) or reader.block_size
-    device = ("device",)
-    best, most = None, index.hit_tokens(reader.worker_id, hashes.get(bs), bs, device)[0]
+    best, most = None, index.hit_tokens(reader.worker_id, hashes.get(bs), bs)[0]
     for s in candidates:
         if s.worker_id == reader.worker_id:
             continue
         # Only blocks its events reported: blocks merely routed there may not exist yet.
-        tokens = index.hit_tokens(s.worker_id, hashes.get(bs), bs, device, expected=False)[0]
+        tokens = index.hit_tokens(s.worker_id, hashes.get(bs), bs, expected=False)[0]
         if tokens >= most + bs:
             best, most = s, tokens
     return (best, most) if best is not None else None

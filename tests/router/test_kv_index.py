@@ -213,27 +213,31 @@ def test_kv_routing_sends_a_prompt_where_its_prefix_is_held():
     assert (plan.path, plan.decode.worker_id, plan.computed_tokens) == (LOCAL, "d0", None)
 
 
-def test_a_prefix_source_holds_a_block_more_on_device_and_never_is_the_prefill_worker():
+def test_a_prefix_source_holds_a_block_more_and_never_is_the_prefill_worker():
     prompt = list(range(40))
     held = prefix_block_hashes(prompt, BS, 9)
     index = KVIndex()
     synced(index, held[:4], wid="p0")
     synced(index, held[:4], wid="p1")
     synced(index, held[:3], wid="d0")
-    synced(index, held[:2], wid="d1", host=held[2:9])  # more, but in its host tier
+    synced(index, held[:2], wid="d1")
     view = LoadView(
         [worker(w, r) for w, r in (("d0", "decode"), ("d1", "decode"))]
         + [worker("p0", "prefill"), worker("p1", "prefill", queued=500)]
     )
     plan = plan_route_kv(view, prompt, index, disagg_threshold=2)
-    # p0 holds 16 tokens itself; p1 holds as many (no gain), d0 fewer, d1's lead is on host.
+    # p0 holds 16 tokens itself; p1 holds as many (no gain), d0 and d1 fewer.
     assert (plan.prefill.worker_id, plan.prefill_hit_tokens) == ("p0", 16)
     assert plan.prefix_source is None and plan.computed_tokens == 24
-    synced(index, held[:5], wid="p1")  # now a block more than p0, on device
+    synced(index, held[:5], wid="p1")  # now a block more than p0
     plan = plan_route_kv(view, prompt, index, disagg_threshold=2)
     assert plan.prefill.worker_id == "p0"  # p1's queue is longer than its extra block
     assert (plan.prefix_source.worker_id, plan.prefix_source_tokens) == ("p1", 20)
     assert plan.computed_tokens == 20
+    # A holder lends from its host tier too (it copies those blocks back to read them).
+    synced(index, held[:2], wid="d1", host=held[2:9])
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=2)
+    assert (plan.prefix_source.worker_id, plan.prefix_source_tokens) == ("d1", 36)
 
 
 def test_blocks_of_a_routed_prompt_count_as_held_until_events_or_the_ttl():

@@ -168,3 +168,26 @@ def test_a_local_prefill_on_the_decode_worker_reads_what_the_prefill_worker_hold
         assert _computed(pair.d) - before == len(second) - 5 * BS
     finally:
         pair.close()
+
+
+def test_the_holder_lends_blocks_its_host_tier_holds(model, turns, expected):
+    """The decode worker's device cache evicted the tail of turn 1 into its host tier: it
+    copies those blocks back and lends them with the device ones (the host pool as a source)."""
+    first, second = turns
+    pair = Pair(model, decode_blocks=16, decode_kw={"kv_host_cache_gb": 0.01})
+    try:
+        pair.generate_on_decode("turn1", first, SP)
+        pair.collect(["turn1"])
+        pair.generate_on_decode("filler", list(range(500, 700)), SP)  # 13 blocks: evicts some
+        pair.collect(["filler"])
+        host = pair.d.engine.host_cache
+        on_device = pair.d.engine.block_manager.num_cached_blocks(first)  # the loop is idle
+        assert 0 < on_device < 5 and host.demotions >= 5 - on_device
+        promoted = host.promotions
+        _prefill_from(pair, "turn2", second, pair.d.endpoint, len(first))
+        assert pair.collect(["turn2"])["turn2"] == expected
+        pair.wait_free()
+        assert pair.p.connector.puller.num_pulled_blocks == 5
+        assert host.promotions - promoted == 5 - on_device  # the evicted ones, from host
+    finally:
+        pair.close()
