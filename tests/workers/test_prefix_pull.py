@@ -191,3 +191,30 @@ def test_the_holder_lends_blocks_its_host_tier_holds(model, turns, expected):
         assert host.promotions - promoted == 5 - on_device  # the evicted ones, from host
     finally:
         pair.close()
+
+
+def test_a_failed_pull_read_computes_the_prompt_and_frees_the_holders_blocks(
+    model, turns, expected
+):
+    from engine import SamplingParams
+    from engine.protocol import GenerateRequest
+
+    first, second = turns
+    pair = Pair(model, decode_faults={"fail_reads": 1})  # the decode worker's first READ fails
+    try:
+        one = SamplingParams(max_tokens=1, temperature=0)
+        pair.push[pair.p.endpoint].send(
+            encode(PrefillRequest("turn1", first, one, pair.reply_to, pair.d.worker_id,
+                                  pair.d.endpoint))
+        )  # fmt: skip
+        pair.collect(["turn1"])
+        src = PrefixSource(pair.p.worker_id, pair.p.endpoint, len(first))
+        msg = GenerateRequest("turn2", second, SP, pair.reply_to, prefix_from=src)
+        pair.push[pair.d.endpoint].send(encode(msg))
+        assert pair.collect(["turn2"])["turn2"] == expected
+        pair.wait_free()  # the holder's lent blocks came back (the reader told it at once)
+        puller = pair.d.connector.puller
+        assert (puller.num_pulls, puller.num_pulled_blocks, puller.num_failed) == (1, 0, 1)
+        assert not pair.p.connector.lender.lent and not pair.d.connector.pins
+    finally:
+        pair.close()
