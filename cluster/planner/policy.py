@@ -234,15 +234,21 @@ class Planner:
         short answers, which saved 1% on the Mooncake slice and smoothed bursts that a 50 ms
         target needs met at once)."""
         rooms = {PREFILL_POOL: self._queue_room_s(queued_wl, corr), DECODE_POOL: 0.0}
+        # How long a window's excess keeps each pool busy: a prefill spike queues and drains
+        # (or misses) within its room; a decode spike's sequences hold their slots for their
+        # answers' length at the TPOT target.
+        spikes = {
+            PREFILL_POOL: rooms[PREFILL_POOL],
+            DECODE_POOL: queued_wl.outputs.mean() * self.targets.slo_tpot_s,
+        }
         up, down = {}, {}
         for pool, room_s in rooms.items():
             share = queue_share(self.config.interval_s, room_s)
             targets = replace(self.targets, queue_share=share)
-            wl = self._residual_backlog(
-                self.demand.workload(self.demand.up_rate(room_s)), pools, corr
-            )
+            rate = self.demand.up_rate(room_s, spikes[pool])
+            wl = self._residual_backlog(self.demand.workload(rate), pools, corr)
             up[pool] = self._plan(wl, corr, prefer_local, targets)
-            burst_wl = self.demand.burst_workload()
+            burst_wl = self.demand.burst_workload(rate)
             # A window of long prompts that may queue for more than a window is met by the
             # queue room (its rate share above), not by workers sized at its own mix.
             if burst_wl is not None and (pool == DECODE_POOL or share > 0.5):
