@@ -6,8 +6,10 @@ windows of the last `history_s` seconds (their length histograms are merged: one
 too few requests for a tail) and a Holt forecast of the arrival rate (level + damped trend,
 updated once per window). `forecast_rate()` is the rate expected when a worker asked for now
 would be ready (`startup_s + interval_s` ahead). The planner scales up on the larger of it and
-the last window's rate (`up_rate`), so a burst is never smoothed away, and down only when a
-smaller pool carries the forecast plus a margin that grows with the rate's noise (`down_rate`).
+the last window's rate (`up_rate`) when that window's excess work outlives a start-up
+(`spike_outlives_startup`: a worker asked for a spike that is over before it serves buys
+nothing), and down only when a smaller pool carries the forecast plus a margin that grows
+with the rate's noise (`down_rate`).
 
 `LengthDist` is a length histogram as the sizing math wants it: (share, mean, spread) per
 bucket. Inside a bucket the lengths are taken as uniform on the widest interval around the

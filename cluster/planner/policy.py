@@ -8,8 +8,9 @@ Lifecycle of one `decide(now, window, pools)`:
    model predict the observed TTFT p90 / TPOT p50 is blended into that pool's correction
    (EWMA, clamped per step and overall); without evidence the correction decays toward 1;
 3. size: `sizing.plan_pools` for the demand expected when a worker asked for now would be
-   ready (up: the forecast plus its noise, or a burst's own rate and length mix; down: the
-   forecast plus a margin that grows with the noise), conditional disaggregation included;
+   ready (up: the forecast plus its noise, or a burst's own rate and length mix where the
+   burst's work outlives a start-up; down: the forecast plus a margin that grows with the
+   noise), conditional disaggregation included;
 4. step each pool: up at once (after `up_cooldown_s`), counting starting workers as there;
    down by at most `down_step` only after `down_stable_windows` windows in a row wanted fewer,
    `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s`, and
