@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.distributed import TPError
 from engine.kv_cache import DEVICE_TIER, HOST_TIER
 from engine.kv_events import KVEventPublisher
 from engine.llm_engine import LLMEngine
@@ -293,6 +294,9 @@ class EngineServer:
         while not self._stop.is_set():
             try:
                 self.run_once()
+            except TPError as e:  # a rank died: no step can run; every request says why
+                log.error("%s: %s", self.worker_id, e)
+                self.fail_all(f"the worker's tensor-parallel group is down: {e}")
             except Exception:  # keep the worker alive; the failed step's requests get errors
                 log.exception("%s: engine step failed", self.worker_id)
                 self.fail_all("internal error in the engine step")
