@@ -34,6 +34,11 @@ and socket are released. `start_read(..., sender_instance=...)` also refuses a r
 KVReady named another instance than the connected one. Without a map (standalone use) the
 last `connect` for a name wins: a different instance replaces the connected one.
 
+A tensor-parallel receiver (`ranks`, tp_read.RankReads): after the pinning renewal its other
+ranks READ their heads first (`Read.ranks_out`, polled once per `advance` for every such read);
+rank 0's chunks follow once all landed. A rank's failure fails the read, and it is settled only
+once every rank released its READs.
+
 Fault injection (faults.py): the NIXL post/check/release calls are bound once, at
 construction, to `NixlEndpoint`'s own methods, or to `ReadFaults`' wrappers when a plan sets a
 receiver knob; never_read also turns renewals off.

@@ -1,15 +1,17 @@
-"""`tandem serve --prefill-tp 2` on CPU: 1 prefill worker that is a tensor-parallel group of two
-ranks (its rank-0 actor in a Ray placement group, the second rank a subprocess of it, each
-rank with its own NIXL agent over its own half of the KV heads) and 1 decode worker at TP 1.
+"""`tandem serve --prefill-tp 2 --decode-tp 2` on CPU: 1 prefill worker and 1 decode worker,
+each a tensor-parallel group of two ranks (its rank-0 actor in a Ray placement group, the
+second rank a subprocess of it, each rank with its own NIXL agent over its own half of the KV
+heads).
 
-Long prompts are prefilled by the TP-2 group and their KV READ by the decode worker in head
-slices from both ranks; short ones stay on the decode worker. Every answer is transformers'
+Long prompts are prefilled by the prefill group, and each decode rank READs its own KV head
+from the prefill rank that holds it (the second decode rank on rank 0's order,
+kv_transfer/tp_read.py); short ones stay on the decode worker. Every answer is transformers'
 greedy fp32 text, the remote ones from transferred KV (0 recomputes, bytes read equal to the
 prompts' blocks of every head), every block comes back and the server exits cleanly.
 
-(P1, D1) is what the rest of tests/e2e serves; (P4, D1) with replicated KV heads and FP8 KV at
-(P2, D1) are proved at the worker level (tests/kv_transfer/test_tp_handoff.py); a decode
-worker at TP > 1 is refused at start (tests/cluster/test_serve_flags.py)."""
+(P1, D1) is what the rest of tests/e2e serves; (P1, D2), (P2, D1), (P4, D1) and (P1, D4) with
+replicated KV heads, and FP8 KV at (P2, D1), are proved at the worker level
+(tests/kv_transfer/test_tp_handoff.py, test_tp_decode.py)."""
 
 from __future__ import annotations
 
@@ -48,13 +50,15 @@ def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(start_serve, e2e_model):
+def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp2_decode_worker(start_serve, e2e_model):
     flags = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", "2",
-             "--disagg-threshold", str(THRESHOLD), "--routing", "affinity")  # fmt: skip
+             "--decode-tp", "2", "--disagg-threshold", str(THRESHOLD),
+             "--routing", "affinity")  # fmt: skip
     with start_serve(e2e_model, *flags) as server:
-        prefill = next(w for w in server.pids() if w.startswith("prefill"))
-        ranks = [c for c in _children(server.pids()[prefill]) if "engine.distributed" in c]
-        assert len(ranks) == 1, ranks  # the prefill worker really is a group of two
+        for pool in ("prefill", "decode"):  # each worker really is a group of two
+            worker = next(w for w in server.pids() if w.startswith(pool))
+            ranks = [c for c in _children(server.pids()[worker]) if "engine.distributed" in c]
+            assert len(ranks) == 1, (pool, ranks)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         name = client.models.list().data[0].id
         check = TransferCheck(server, e2e_model)
