@@ -175,6 +175,7 @@ def _read(nixl, order: RankRead) -> str:
     key = (order.name, order.request_id)
     if key in _READS:
         raise ValueError("a read of this request is in progress on this rank")
+    _FINISHED.pop(key, None)  # a request id seen before: this read's state is its own
     entry = _PEERS.get((order.name, order.peer))
     if entry is None:
         raise ValueError(f"not connected to {order.peer!r}")

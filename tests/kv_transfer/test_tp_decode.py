@@ -16,10 +16,12 @@ import signal
 import time
 
 import pytest
+import torch
 import zmq
 
 from engine.protocol import PrefillRequest, SamplingParams, TokenMessage
 from engine.wire import decode, encode
+from kv_transfer.tp_layout import HeadSlice
 from tests.kv_transfer.test_tp_handoff import (
     Decode,
     _blocks,
@@ -174,11 +176,50 @@ def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(l
 
 
 def _hf_greedy_n(llama, prompt, n: int) -> list[int]:
-    import torch
-
     from tests.kv_transfer.test_tp_handoff import _hf_model
 
     model = _hf_model(str(llama))
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt) :].tolist()
+
+
+# ---------------------------------------------------------------- the pure parts
+
+
+@pytest.mark.parametrize(
+    ("ptp", "dtp", "want"),
+    [
+        (1, 2, [[HeadSlice(0, 0, 0, 1)], [HeadSlice(0, 1, 0, 1)]]),  # halves of P's blocks
+        (2, 2, [[HeadSlice(0, 0, 0, 1)], [HeadSlice(1, 0, 0, 1)]]),  # whole blocks, rank to rank
+        (1, 4, [[HeadSlice(0, 0, 0, 1)]] * 2 + [[HeadSlice(0, 1, 0, 1)]] * 2),  # replicated
+    ],
+)
+def test_each_decode_rank_plans_its_own_heads_from_the_senders_reply(llama, ptp, dtp, want):
+    """What each decode rank's RankConnect computes (handshake.slice_plan for its rank), from
+    the same HelloReply rank 0 received: its heads, the sender ranks' agents and bases."""
+    from engine.config import ModelConfig
+    from engine.kv_setup import kv_spec_for
+    from engine.llm_engine import EngineConfig
+    from engine.models.parallel import Shard
+    from kv_transfer.handshake import slice_plan
+    from kv_transfer.messages import HelloReply, RankRegion
+    from kv_transfer.nixl import BlockRegion
+
+    mc = ModelConfig.from_pretrained(str(llama))
+    cfg = EngineConfig(model=str(llama), dtype="float32")
+    src = kv_spec_for(cfg, mc, Shard.of(mc, 0, ptp) if ptp > 1 else None, torch.float32)
+    ranks = [RankRegion(rank=r, nixl_metadata=b"m", data_base=1000 * r) for r in range(1, ptp)]
+    reply = HelloReply(
+        ok=True, name="p", instance_id="i", nixl_metadata=b"m", num_blocks=8, data_base=64,
+        block_bytes=src.block_bytes, tp_size=ptp, ranks=ranks,
+    )  # fmt: skip
+    got = []
+    for rank in range(dtp):
+        spec = kv_spec_for(cfg, mc, Shard.of(mc, rank, dtp), torch.float32)
+        local = BlockRegion("DRAM", 0, 8, 4096, spec.block_bytes)
+        plan = slice_plan("p", reply, spec, local, rank)
+        got.append(list(plan.slices))
+        names = {plan.sources[s.src_rank].name for s in plan.slices}
+        assert names <= {"p", "p.tp1"}, names  # each sender rank's own agent
+    assert got == want
