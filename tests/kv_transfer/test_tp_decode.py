@@ -175,6 +175,38 @@ def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(l
                 _close(w)
 
 
+def test_a_hung_decode_rank_fails_the_request_clearly_and_frees_the_lease(llama, monkeypatch):
+    """Rank 1 of a D2 group is stopped (SIGSTOP) before a READ order reaches it: rank 0 waits
+    `HOOK_TIMEOUT_S` (2 s here) for the order to reach it, not the 120 s collective timeout;
+    the READ fails, the group is down, the request ends with an error naming the timeout, and
+    the prefill worker's lease is released (no block kept on the prefill side)."""
+    import engine.distributed
+
+    monkeypatch.setattr(engine.distributed, "HOOK_TIMEOUT_S", 2.0)
+    d = Decode(llama, tensor_parallel_size=2)
+    p = _prefill(llama, 1)
+    rank1 = d.engine.tp.procs[0]
+    try:
+        prompts = _prompts(16)
+        assert d.run(p, prompts[:1]) == [_hf_greedy(str(llama), tuple(prompts[0]))]
+        rank1.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        sp = SamplingParams(max_tokens=4, temperature=0)
+        got = _stream(d, p, prompts[1:2], sp, lambda m: None)
+        took = time.monotonic() - t0
+        [(toks, reason, error)] = got.values()
+        assert toks == _hf_greedy(str(llama), tuple(prompts[1]))[: len(toks)], got
+        assert reason == "error" and "tensor-parallel group is down" in error, got
+        assert "Timed out waiting 2000ms" in error, error  # the order's broadcast, not 120 s
+        assert took < 15, took
+        print(f"hung decode rank -> the request's error after {took:.1f} s")
+        _wait_free(p)
+    finally:
+        rank1.send_signal(signal.SIGKILL)
+        _stop(p)
+        _close(d)
+
+
 def _hf_greedy_n(llama, prompt, n: int) -> list[int]:
     from tests.kv_transfer.test_tp_handoff import _hf_model
 
