@@ -139,6 +139,8 @@ def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(l
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     d = Decode(llama, tensor_parallel_size=2)
     d.server.step_delay_s = 0.02  # streams last ~1 s: the kill lands mid-stream
+    told: list[Exception] = []  # what a Ray worker exits on, to be replaced (worker_actor.py)
+    d.server.on_group_down = told.append
     p = _prefill(llama, 1)
     d_new = None
     try:
@@ -162,6 +164,7 @@ def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(l
             else:
                 assert toks == want[tuple(q)]
         assert errors, "the kill landed after every request finished"
+        assert len(told) == 1 and "rank 1" in str(told[0]), told
         _wait_free(p)  # the prefill worker keeps no block
         d_new = Decode(llama, tensor_parallel_size=2)
         assert d_new.run(p, prompts[:1]) == [_hf_greedy(str(llama), tuple(prompts[0]))]
