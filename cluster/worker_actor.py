@@ -76,13 +76,7 @@ class WorkerActor:
         # Testing only: every engine step takes this much longer (long, killable streams).
         self.server.step_delay_s = float((faults or {}).get("step_delay_s", 0.0))
         self.server.on_group_down = self._exit_for_restart
-        # Everything allocated so far (model, tokenizer, imported modules) lives as long as
-        # the worker: move it out of the collector's view, so that a full collection during
-        # serving scans only what serving allocates (a long pause there is a TPOT outlier).
-        import gc
-
-        gc.collect()
-        gc.freeze()
+        _freeze_startup_objects()
         self.server.start()
 
     def info(self) -> dict:
@@ -169,6 +163,16 @@ def _agent(worker_id: str, engine, bind_host: str, timeouts: tuple, faults: dict
     return KVTransferAgent(
         worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan, tp_group=engine.tp
     )
+
+
+def _freeze_startup_objects() -> None:
+    """Everything allocated so far (model, tokenizer, imported modules) lives as long as the
+    worker: move it out of the collector's view, so that a full collection during serving
+    scans only what serving allocates (a long pause there is a TPOT outlier)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _prepare_ranks(tp: int, num_threads: int) -> None:
