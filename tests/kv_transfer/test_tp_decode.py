@@ -5,8 +5,9 @@ goes last. Token-exact against transformers with the KV really moved (0 recomput
 = the prompts' blocks of every decode rank's heads) at (P1, D2), (P2, D2) and, with the tiny
 llama's 2 KV heads, (P1, D4) (replicated heads: each decode rank reads the head its query
 heads use). A failed READ on one decode rank recomputes the whole request; a decode rank
-SIGKILLed mid-stream: every request is correct or ends with an error naming the rank, the
-prefill worker keeps no block, and a new decode worker serves from the same prefill worker.
+SIGKILLed mid-stream: every request is correct or ends with an error naming the rank, and the
+prefill worker keeps no block; a hung decode rank: the request fails within the hook timeout.
+(The group coming back as a new incarnation is tests/e2e/test_serve_tp.py's.)
 
 Harness: tests/kv_transfer/test_tp_handoff.py's (`Decode`, `_prefill`)."""
 
@@ -131,18 +132,18 @@ def _stream(d: Decode, p, prompts, sp, on_token, timeout=60.0) -> dict[str, tupl
         push.close(0)
 
 
-def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(llama):
+def test_a_decode_rank_killed_mid_stream_fails_clearly_and_frees_every_lease(llama):
     """Rank 1 of a D2 group is SIGKILLed while 3 requests stream from it (each has its KV
     moved and tokens out): each request's tokens are transformers' up to where it stopped,
-    and it ends either complete or with an error naming the dead rank; the prefill worker
-    keeps no block; a new D2 worker (the replacement) serves the next request exactly."""
+    and it ends either complete or with an error naming the dead rank; the loop reports the
+    group down once (a Ray worker exits on it and is replaced: tests/e2e/test_serve_tp.py);
+    the prefill worker keeps no block."""
     sp = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     d = Decode(llama, tensor_parallel_size=2)
     d.server.step_delay_s = 0.02  # streams last ~1 s: the kill lands mid-stream
     told: list[Exception] = []  # what a Ray worker exits on, to be replaced (worker_actor.py)
     d.server.on_group_down = told.append
     p = _prefill(llama, 1)
-    d_new = None
     try:
         prompts = _prompts(15)
         rank1, killed_at = d.engine.tp.procs[0], []
@@ -166,16 +167,10 @@ def test_a_decode_rank_killed_mid_stream_fails_clearly_and_a_new_worker_serves(l
         assert errors, "the kill landed after every request finished"
         assert len(told) == 1 and "rank 1" in str(told[0]), told
         _wait_free(p)  # the prefill worker keeps no block
-        d_new = Decode(llama, tensor_parallel_size=2)
-        assert d_new.run(p, prompts[:1]) == [_hf_greedy(str(llama), tuple(prompts[0]))]
-        back_s = time.monotonic() - killed_at[0]
-        print(f"decode rank killed -> replacement D2 worker served a request: {back_s:.1f} s")
-        assert d_new.server.connector.num_recomputed == 0
+        print(f"decode rank killed -> prefill blocks free {time.monotonic() - killed_at[0]:.1f} s")
     finally:
         _stop(p)
-        for w in (d, d_new):
-            if w is not None:
-                _close(w)
+        _close(d)
 
 
 def test_a_hung_decode_rank_fails_the_request_clearly_and_frees_the_lease(llama, monkeypatch):
