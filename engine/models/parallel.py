@@ -127,7 +127,9 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
 
 
 def check_tp_settings(tp, role: str, load_format: str) -> None:
-    """EngineConfig's check: what tensor parallelism does not support yet is refused by name."""
+    """EngineConfig's check: what tensor parallelism does not support yet is refused by name.
+    Every role runs TP (a decode group's ranks READ their own KV heads); `role` stays for the
+    callers, which name the pool a refusal is about."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
     if tp > 1 and load_format == "dummy":
