@@ -37,6 +37,7 @@ import logging
 import threading
 from typing import Annotated
 
+import numpy as np
 from msgspec import Meta
 
 from engine.protocol import MAX_IDS, Count, Name, RequestId
@@ -154,7 +155,7 @@ def _connect(nixl, rank: int, order: RankConnect) -> str:
                 raise ValueError(f"the NIXL metadata of {src.name!r} names {added[-1]!r}")
             if order.warmup:
                 row = [[src.data_base, plan.src.entry_bytes, src.device_id]]
-                state = nixl.warm_up_rows(src.name, _rows(row), order.timeout_s)
+                state = nixl.warm_up_rows(src.name, np.array(row, np.uint64), order.timeout_s)
                 if state != DONE:
                     raise ValueError(f"warm-up READ of {src.name} ended {state}")
     except BaseException:
@@ -163,12 +164,6 @@ def _connect(nixl, rank: int, order: RankConnect) -> str:
         raise
     _PEERS[(order.name, order.peer)] = (plan, added)
     return DONE
-
-
-def _rows(rows):
-    import numpy as np
-
-    return np.array(rows, dtype=np.uint64)
 
 
 def _read(nixl, order: RankRead) -> str:
