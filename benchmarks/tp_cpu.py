@@ -9,12 +9,13 @@ with half the cores and adds a broadcast per step and two all-reduces per layer,
 ratio measures the overhead, not a speed-up (that is a GPU figure: several devices' memory
 bandwidth).
 
-`--handoff`: the KV hand-off from a TP 1, 2 and 4 prefill worker to a TP 1 decode worker
-(real engines and worker loops, the prefill ranks in their own processes, each with its own
-NIXL agent; the tiny llama, 2 KV heads: at TP 4 the heads are replicated and read from one
-holder each): READ time per request (the decode agent's `seconds / transfers`, from
-start_read to the landing of the last slice), bytes read, and NIXL rows per block, each
-against the (P1, D1) baseline measured in the same run.
+`--handoff`: the KV hand-off for the (P, D) pairs (1, 1), (2, 1), (4, 1), (1, 2), (2, 2),
+(1, 4) (real engines and worker loops, every rank in its own process with its own NIXL agent;
+the tiny llama, 2 KV heads: at TP 4 the heads are replicated, read from one holder each, and
+at D4 each decode rank reads its own copy): READ time per request (the decode agent's
+`seconds / transfers`, from start_read to the landing of rank 0's last slice, which is
+posted after every other decode rank's READs landed), bytes read by all decode ranks, and
+NIXL rows per block of rank 0, each against the (P1, D1) baseline measured in the same run.
 
 Usage: `python benchmarks/tp_cpu.py [--reps N] [--json PATH] [--quick] [--handoff]`
 (`--quick`: the tiny model, a 500-token prompt).
@@ -96,8 +97,9 @@ def measure(path, tp: int, threads: int, prompt_len: int, reps: int) -> dict:
     return {"prefill_s": statistics.median(prefill), "decode_step_s": statistics.median(decode)}
 
 
-def handoff(path, tp: int, prompts: list[list[int]]) -> dict:
-    """Prefill `prompts` on a TP `tp` prefill worker, hand them to a fresh TP 1 decode worker."""
+def handoff(path, tp: int, dtp: int, prompts: list[list[int]]) -> dict:
+    """Prefill `prompts` on a TP `tp` prefill worker, hand them to a fresh TP `dtp` decode
+    worker."""
     import zmq
 
     from decode_worker.server import decode_server
@@ -109,9 +111,9 @@ def handoff(path, tp: int, prompts: list[list[int]]) -> dict:
 
     kw = dict(model=str(path), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False)
     pe = LLMEngine(EngineConfig(**kw, role="prefill", tensor_parallel_size=tp))
-    de = LLMEngine(EngineConfig(**kw, role="decode"))
+    de = LLMEngine(EngineConfig(**kw, role="decode", tensor_parallel_size=dtp))
     p = prefill_server(f"p{tp}", pe, KVTransferAgent(f"p{tp}", pe.cache, tp_group=pe.tp))
-    d = decode_server(f"d{tp}", de, KVTransferAgent(f"d{tp}", de.cache))
+    d = decode_server(f"d{tp}", de, KVTransferAgent(f"d{tp}", de.cache, tp_group=de.tp))
     ctx = zmq.Context()
     sink, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     sink.bind("tcp://127.0.0.1:*")
@@ -138,6 +140,7 @@ def handoff(path, tp: int, prompts: list[list[int]]) -> dict:
         p.stop()
         d.stop()
         pe.shutdown()
+        de.shutdown()
         sink.close(0)
         push.close(0)
         ctx.term()
@@ -152,7 +155,8 @@ def main_handoff(args) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (512,), generator=g).tolist() for _ in range(args.reps * 4)]
     load0 = load_avg()
-    results = {f"P{tp},D1": handoff(path, tp, prompts) for tp in (1, 2, 4)}
+    pairs = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4))
+    results = {f"P{tp},D{dtp}": handoff(path, tp, dtp, prompts) for tp, dtp in pairs}
     base = results["P1,D1"]
     for pair, r in results.items():
         log(

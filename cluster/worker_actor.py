@@ -75,13 +75,8 @@ class WorkerActor:
             )
         # Testing only: every engine step takes this much longer (long, killable streams).
         self.server.step_delay_s = float((faults or {}).get("step_delay_s", 0.0))
-        # Everything allocated so far (model, tokenizer, imported modules) lives as long as
-        # the worker: move it out of the collector's view, so that a full collection during
-        # serving scans only what serving allocates (a long pause there is a TPOT outlier).
-        import gc
-
-        gc.collect()
-        gc.freeze()
+        self.server.on_group_down = self._exit_for_restart
+        _freeze_startup_objects()
         self.server.start()
 
     def info(self) -> dict:
@@ -100,6 +95,14 @@ class WorkerActor:
             "kv_instance_id": agent.instance_id if agent is not None else "",
             "weights": self.weights,  # the resolved quantization, or the dtype without one
         }
+
+    def _exit_for_restart(self, error: Exception) -> None:
+        """A TP group that lost a rank never steps again (engine.distributed.TPError): exit,
+        so that Ray starts a new incarnation of the whole group (max_restarts), as it does
+        for a dead worker; its requests already got their errors, given a moment to leave."""
+        logging.getLogger(__name__).error("%s: %s; exiting to be replaced", self.worker_id, error)
+        time.sleep(0.5)  # the queued error messages leave (the reply sockets' I/O thread)
+        os._exit(1)
 
     # Polled several times a second: Ray's GCS would keep an event per call (memory that
     # grows with uptime, up to its cap), for calls nobody needs to trace.
@@ -160,6 +163,16 @@ def _agent(worker_id: str, engine, bind_host: str, timeouts: tuple, faults: dict
     return KVTransferAgent(
         worker_id, engine.cache, bind_host, lease_s, read_timeout_s, faults=plan, tp_group=engine.tp
     )
+
+
+def _freeze_startup_objects() -> None:
+    """Everything allocated so far (model, tokenizer, imported modules) lives as long as the
+    worker: move it out of the collector's view, so that a full collection during serving
+    scans only what serving allocates (a long pause there is a TPOT outlier)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
 
 
 def _prepare_ranks(tp: int, num_threads: int) -> None:

@@ -51,13 +51,16 @@ from engine.model_runner import ModelRunner, forward_context, unpack_step
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("TANDEM_TP_TIMEOUT_S", "120"))
 START_TIMEOUT_S = 600.0  # a rank loads its shard within this
+# A rank answers a hook within this, or the group is down: a hung rank must not stall rank 0's
+# loop for START_TIMEOUT_S (a decode group's READ orders are hooks).
+HOOK_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 IDLE = timedelta(days=365)  # a worker's wait for the next step's header
 STEP, STOP, HOOK = 1, 0, 2
 # What a rank may run besides steps (`TPGroup.run_hook`): modules under these prefixes. A
 # rank's KV memory is registered for transfer by kv_transfer (which engine/ must not import).
 HOOK_PREFIXES = ("kv_transfer.",)
-MAX_HOOK_BYTES = 1 << 16
+MAX_HOOK_BYTES = 1 << 20  # a decode rank's READ order names every block of a prompt
 
 
 class TPError(RuntimeError):
@@ -131,15 +134,21 @@ class TPGroup:
             self.close()
             raise
 
-    def _wait_for(self, key: str) -> None:
-        """Until every worker has set `key{rank}` in the store; TPError if one exits first."""
-        deadline = time.monotonic() + START_TIMEOUT_S
+    def _wait_for(
+        self, key: str, first_sleep_s: float = 0.02, timeout_s: float = START_TIMEOUT_S
+    ) -> None:
+        """Until every worker has set `key{rank}` in the store; TPError if one exits first.
+        Sleeps start at `first_sleep_s` and double up to 20 ms (a hook's answer is quick)."""
+        deadline = time.monotonic() + timeout_s
         keys = [f"{key}{r}" for r in range(1, self.size)]
+        sleep_s = first_sleep_s
         while not self.store.check(keys):
             self.check_alive()
             if time.monotonic() > deadline:
-                raise TPError(f"tensor-parallel ranks not {key} after {START_TIMEOUT_S:.0f} s")
-            time.sleep(0.02)
+                self.broken = f"ranks not {key} after {timeout_s:.0f} s"
+                raise TPError(f"tensor-parallel group is down: {self.broken}")
+            time.sleep(sleep_s)
+            sleep_s = min(0.02, sleep_s * 2)
 
     def finish_start(self, num_blocks: int) -> None:
         """Tell the workers the KV block count and wait until each has its model and cache."""
@@ -182,14 +191,17 @@ class TPGroup:
         if len(text) > MAX_HOOK_BYTES:
             raise ValueError(f"a rank hook's argument is over {MAX_HOOK_BYTES} bytes")
         payload = torch.tensor(list(text), dtype=torch.int64)
+        limit = timedelta(seconds=HOOK_TIMEOUT_S)  # gloo waits for each rank to post its recv
         try:
-            self.group.broadcast(torch.tensor([HOOK, len(text)]).to(self.device))
-            self.group.broadcast(payload.to(self.device))
+            self.group.broadcast(torch.tensor([HOOK, len(text)]).to(self.device), limit)
+            self.group.broadcast(payload.to(self.device), limit)
         except RuntimeError as e:
             self.failed(e)
-        self._wait_for(f"hook{self.hooks}/")
+        self._wait_for(f"hook{self.hooks}/", first_sleep_s=0.0002, timeout_s=HOOK_TIMEOUT_S)
         keys = [f"hook{self.hooks}/{r}" for r in range(1, self.size)]
         answers = [json.loads(self.store.get(k)) for k in keys]
+        for k in keys:  # a decode group runs hooks per request: the store must not grow
+            self.store.delete_key(k)
         for rank, answer in enumerate(answers, start=1):
             if "error" in answer:
                 raise TPError(f"rank {rank}: {module}.rank_hook failed: {answer['error']}")

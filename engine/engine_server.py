@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from engine.distributed import TPError
 from engine.kv_cache import DEVICE_TIER, HOST_TIER
 from engine.kv_events import KVEventPublisher
 from engine.llm_engine import LLMEngine
@@ -238,6 +240,10 @@ class EngineServer:
         self._load_time = 0.0
         self._latest_load: WorkerLoad | None = None
         self.step_delay_s = 0.0  # fault injection (tests): sleep this long after each step
+        # Called once, on the loop thread, when the engine's tensor-parallel group went down
+        # (after its requests got their errors): a Ray worker exits, so Ray replaces it whole.
+        self.on_group_down: Callable[[TPError], None] | None = None
+        self._group_down = False
         connector.attach(self)
 
     def _kv_events(self, bind_host: str) -> KVEventPublisher | None:
@@ -298,6 +304,12 @@ class EngineServer:
         while not self._stop.is_set():
             try:
                 self.run_once()
+            except TPError as e:  # a rank died: no step can run; every request says why
+                log.error("%s: %s", self.worker_id, e)
+                self.fail_all(f"the worker's tensor-parallel group is down: {e}")
+                if self.on_group_down is not None and not self._group_down:
+                    self._group_down = True
+                    self.on_group_down(e)
             except Exception:  # keep the worker alive; the failed step's requests get errors
                 log.exception("%s: engine step failed", self.worker_id)
                 self.fail_all("internal error in the engine step")

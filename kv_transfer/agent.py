@@ -73,9 +73,11 @@ from kv_transfer.messages import (
     PeerPolicy,
 )
 from kv_transfer.nixl import NixlEndpoint, default_max_read_bytes
-from kv_transfer.receiver import Receiver, ReceiverConfig
+from kv_transfer.read_state import ReceiverConfig
+from kv_transfer.receiver import Receiver
 from kv_transfer.sender import LeaseTable
 from kv_transfer.side_channel import SideChannel
+from kv_transfer.tp_read import RankReads
 
 
 class KVTransferAgent:
@@ -121,11 +123,12 @@ class KVTransferAgent:
         self._compat = Compat(self.spec.compat_fields(), self.spec.compat_hash())
         # A tensor-parallel engine's other ranks (engine.tp): their KV is registered with
         # agents of their own, described in our HelloReply (kv_transfer/tp_rank.py).
-        self._ranks = []
+        self._ranks, self._tp_group = [], None
         if tp_group is not None and getattr(tp_group, "size", 1) > 1:
             from kv_transfer.tp_rank import rank_regions
 
             self._ranks = rank_regions(tp_group, name, progress_thread)
+            self._tp_group = tp_group  # as a receiver, its ranks READ too (tp_read.py)
         self._api_lock = threading.RLock()
         self._closed = False
         self._start_parts(bind_host, advertise_host, warmup, progress_thread)
@@ -170,8 +173,13 @@ class KVTransferAgent:
             dict(self._compat.fields),
             self.endpoint,
         )
+        ranks = None
+        if self._tp_group is not None:
+            ranks = RankReads(
+                self._tp_group, self.name, self.handshake_timeout_s, warmup, self.faults
+            )
         self._receiver = Receiver(
-            hello, self._compat, self.nixl, self._channel, config, self.faults
+            hello, self._compat, self.nixl, self._channel, config, self.faults, ranks
         )
         self._channel.start(
             self._compat,

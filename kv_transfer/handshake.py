@@ -85,22 +85,20 @@ def warm_up(nixl: NixlEndpoint, name: str, dlist: Any, timeout_s: float) -> None
         raise HandshakeError(name, f"warm-up READ ended {state}")
 
 
-def slice_plan(name: str, reply: HelloReply, spec, local: BlockRegion) -> SlicePlan | None:
-    """How we read from a sender of another tensor-parallel layout (None: the same layout,
-    one row per block). `spec` is our KVCacheSpec; the total heads, head size, dtype and block
-    size already matched (compat fields). A layout whose blocks are not the size its head
-    share implies is refused naming both layouts."""
+def slice_plan(
+    name: str, reply: HelloReply, spec, local: BlockRegion, rank: int = 0
+) -> SlicePlan | None:
+    """How reading rank `rank` of ours reads from a sender of another tensor-parallel layout
+    (None: both TP 1, one row per block). `spec` is that rank's KVCacheSpec; the total heads,
+    head size, dtype and block size already matched (compat fields). A layout whose blocks
+    are not the size its head share implies is refused naming both layouts. Rank 0's READ
+    from the sender's rank 0 goes last: it carries the completion notification."""
     if reply.tp_size == spec.tp_size == 1:
         return None
-    src, dst = HeadLayout(spec.total_kv_heads, reply.tp_size), HeadLayout(spec.total_kv_heads, 1)
-    if spec.tp_size > 1:
-        raise HandshakeError(
-            name,
-            f"reading with {spec.tp_size} ranks is not built (sender {src.describe()})",
-            ("tp_size",),
-        )
-    slices = sorted(plan_reads(src, dst, 0), key=lambda s: s.src_rank == 0)
-    if slices[-1].src_rank != 0:
+    src = HeadLayout(spec.total_kv_heads, reply.tp_size)
+    dst = HeadLayout(spec.total_kv_heads, spec.tp_size)
+    slices = sorted(plan_reads(src, dst, rank), key=lambda s: s.src_rank == 0)
+    if rank == 0 and slices[-1].src_rank != 0:
         raise HandshakeError(name, f"rank 0 of {src.describe()} holds none of our heads")
     units = units_per_block(spec.num_layers, spec.block_size)
     entry = spec.block_bytes // (units * spec.num_kv_heads)

@@ -34,6 +34,11 @@ and socket are released. `start_read(..., sender_instance=...)` also refuses a r
 KVReady named another instance than the connected one. Without a map (standalone use) the
 last `connect` for a name wins: a different instance replaces the connected one.
 
+A tensor-parallel receiver (`ranks`, tp_read.RankReads): after the pinning renewal its other
+ranks READ their heads first (`Read.ranks_out`, polled once per `advance` for every such read);
+rank 0's chunks follow once all landed. A rank's failure fails the read, and it is settled only
+once every rank released its READs.
+
 Fault injection (faults.py): the NIXL post/check/release calls are bound once, at
 construction, to `NixlEndpoint`'s own methods, or to `ReadFaults`' wrappers when a plan sets a
 receiver knob; never_read also turns renewals off.
@@ -51,7 +56,6 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import zmq
@@ -64,7 +68,6 @@ from kv_transfer.events import (
     TransferEvent,
     TransferState,
     TransferStats,
-    TransferStatus,
 )
 from kv_transfer.faults import FaultPlan, ReadFaults
 from kv_transfer.handshake import exchange_hello, open_peer
@@ -80,64 +83,15 @@ from kv_transfer.messages import (
     Renew,
     RenewReply,
 )
-from kv_transfer.nixl import BlockRegion, NixlEndpoint, check_block_ids, chunk
+from kv_transfer.nixl import NixlEndpoint, check_block_ids, chunk
+from kv_transfer.read_state import PeerOut, Read, ReceiverConfig
 from kv_transfer.side_channel import SideChannel
-from kv_transfer.tp_layout import HeadSlice, SlicePlan
+from kv_transfer.tp_read import RankReads
 
 log = logging.getLogger(__name__)
 
 _LEASE_MARGIN_S = 0.05  # never start a READ this close to the lease's end
 _MAX_UNANSWERED = 1024  # renew send times kept per peer
-
-
-@dataclass(slots=True)
-class _PeerOut:
-    """A sender we READ from."""
-
-    name: str
-    instance_id: str
-    endpoint: str
-    sock: zmq.Socket  # owned by the side-channel thread once connect() returns
-    region: BlockRegion
-    dlist: Any  # NIXL prepped remote descriptor list
-    alive: bool = True
-    dead_reason: str = ""
-    seq: int = 0
-    sent_at: dict[int, float] = field(default_factory=dict)  # renew seq -> monotonic send time
-    awaiting_since: float | None = None  # oldest unanswered renew
-    plan: SlicePlan | None = None  # a sender of another TP layout: READs per head slice
-    ranks: list[str] = field(default_factory=list)  # its other ranks' NIXL agents we loaded
-
-
-@dataclass(slots=True)
-class _Read:
-    """One request's pull."""
-
-    request_id: str
-    peer: str
-    local_ids: tuple[int, ...]
-    # (remote ids, local ids, head slice or None: whole blocks from the peer) per READ
-    chunks: list[tuple[list[int], list[int], HeadSlice | None]]
-    lease_until: float  # monotonic; from KVReady, then from the sender's renew replies
-    started_at: float
-    num_bytes: int
-    status: TransferStatus = field(default_factory=TransferStatus)
-    next_chunk: int = 0
-    handle: Any = None  # NIXL xfer handle of the chunk in flight
-    acked: bool = False  # the sender confirmed the blocks were held (pinned) for us
-    landed_at: float | None = None
-    tell_sender: bool = False  # on failure, send Abort so the sender frees at once
-    aborted: bool = False
-
-
-@dataclass(slots=True, frozen=True)
-class ReceiverConfig:
-    read_timeout_s: float
-    peer_timeout_s: float
-    handshake_timeout_s: float
-    max_read_bytes: int
-    max_frame_bytes: int
-    warmup: bool
 
 
 class Receiver:
@@ -151,7 +105,9 @@ class Receiver:
         channel: SideChannel,
         config: ReceiverConfig,
         faults: FaultPlan | None = None,
+        ranks: RankReads | None = None,
     ):
+        self._ranks = ranks  # a TP receiver: its other ranks READ their heads (tp_read.py)
         self._hello = hello  # what we tell every sender at handshake
         self._compat = compat
         self._nixl = nixl
@@ -160,8 +116,8 @@ class Receiver:
         self._region = nixl.region
         self._blocks_per_chunk = max(1, config.max_read_bytes // self._region.bytes_per_block)
         self._lock = threading.Lock()
-        self._peers: dict[str, _PeerOut] = {}
-        self._reads: dict[str, _Read] = {}
+        self._peers: dict[str, PeerOut] = {}
+        self._reads: dict[str, Read] = {}
         self._outgoing: list[tuple[str, list[str] | Abort]] = []  # rids to renew, or an Abort
         self._events: list[TransferEvent] = []
         self._stats = TransferStats()
@@ -200,8 +156,15 @@ class Receiver:
         except BaseException:
             quietly(sock.close)
             raise
-        peer = _PeerOut(md.name, md.instance_id, md.endpoint, sock, region, dlist, plan=plan)
+        peer = PeerOut(md.name, md.instance_id, md.endpoint, sock, region, dlist, plan=plan)
         peer.ranks = ranks
+        if self._ranks is not None:
+            try:
+                self._ranks.connect(md.name, reply)
+            except BaseException:
+                self._forget_nixl(peer)
+                quietly(sock.close)
+                raise
         with self._lock:
             self._peers[md.name] = peer
             self._stats.handshakes += 1
@@ -247,7 +210,7 @@ class Receiver:
             # Another TP layout: a READ per head slice, rank 0's last (it carries the notif).
             pieces = [None] if peer.plan is None else list(peer.plan.slices)
             pairs = [(r, lo, piece) for r, lo in pairs for piece in pieces]
-            read = _Read(
+            read = Read(
                 request_id,
                 peer_name,
                 local,
@@ -264,9 +227,28 @@ class Receiver:
             if self._renews:  # off only under the never_read fault
                 self._outgoing.append((peer_name, [request_id]))
         self._channel.wake()  # the renewal goes out while the first chunk is being posted
-        self._post_next_chunk(read)
+        if self._ranks is None:
+            self._post_next_chunk(read)
+            return
+        read.ranks_out = True  # the other ranks READ first; rank 0's READs once they landed
+        self._on_ranks(read, self._ranks.start(request_id, peer_name, list(remote), list(local)))
 
-    def _peer_for(self, request_id: str, name: str, instance: str | None) -> _PeerOut:
+    def _on_ranks(self, read: Read, state: str) -> None:
+        """What the other ranks said of their READs of `read` (tp_read.RankReads)."""
+        if read.status.state is TransferState.FAILED:
+            return
+        if state == "DONE":
+            read.ranks_out = False
+            read.num_bytes += self._ranks.landed_bytes(read.request_id)
+            self._post_next_chunk(read)
+        elif state.startswith("ERR"):
+            self._fail_from_nixl(read, f"a rank's READ failed: {state[4:]}", state)
+        elif time.monotonic() - read.started_at > self._cfg.read_timeout_s:
+            with self._lock:
+                why = f"the ranks' READs still running after {self._cfg.read_timeout_s}s"
+                self._fail(read, why, tell_sender=True)
+
+    def _peer_for(self, request_id: str, name: str, instance: str | None) -> PeerOut:
         """The connected sender a new read may use (caller holds _lock), else TransferError."""
         if request_id in self._reads:
             raise TransferError(request_id, "a read of this request is in progress")
@@ -282,7 +264,7 @@ class Receiver:
             )
         return peer
 
-    def _may_post(self, read: _Read, peer: _PeerOut | None, now: float, expired: str) -> bool:
+    def _may_post(self, read: Read, peer: PeerOut | None, now: float, expired: str) -> bool:
         """Whether a READ of `read` may be posted now; if not, fail it (caller holds _lock).
         A lease this close to its end may lapse before the READ lands: the sender is told
         to free the blocks at once."""
@@ -295,7 +277,7 @@ class Receiver:
             return False
         return True
 
-    def _post_next_chunk(self, read: _Read) -> None:
+    def _post_next_chunk(self, read: Read) -> None:
         """Post the next READ of `read` (caller does not hold _lock)."""
         with self._lock:
             if read.status.state is TransferState.FAILED:
@@ -332,18 +314,25 @@ class Receiver:
         """One step of every read (the worker's poll())."""
         with self._lock:
             reads = list(self._reads.values())
+        ranks = [r for r in reads if r.ranks_out and r.status.state is not TransferState.FAILED]
+        if ranks:  # one order to the ranks for every read waiting on them
+            states = self._ranks.poll([r.request_id for r in ranks])
+            for read in ranks:
+                self._on_ranks(read, states.get(read.request_id, "PROC"))
         for read in reads:
             self._advance(read)
 
-    def _advance(self, read: _Read) -> None:
+    def _advance(self, read: Read) -> None:
         now = time.monotonic()  # per read: posting a chunk may copy for milliseconds
         if read.status.state is not TransferState.FAILED:
+            if read.ranks_out:
+                return  # the other ranks' READs have not landed yet
             step = self._step_chunk(read, now) if read.handle is not None else "landed"
             if step == "busy" or (step == "landed" and self._conclude(read, now)):
                 return
         self._settle_failed(read)
 
-    def _step_chunk(self, read: _Read, now: float) -> Literal["busy", "failed", "landed"]:
+    def _step_chunk(self, read: Read, now: float) -> Literal["busy", "failed", "landed"]:
         """Check the chunk in flight; post the next when it landed."""
         state = self._check(read.handle)
         if state == "PROC":
@@ -364,7 +353,7 @@ class Receiver:
         self._post_next_chunk(read)
         return "failed" if read.status.state is TransferState.FAILED else "busy"
 
-    def _conclude(self, read: _Read, now: float) -> bool:
+    def _conclude(self, read: Read, now: float) -> bool:
         """Every chunk landed: DONE if the sender confirmed the lease in time. Returns False
         when the read is FAILED and must be settled."""
         with self._lock:
@@ -390,8 +379,12 @@ class Receiver:
             del self._reads[read.request_id]
             return True
 
-    def _settle_failed(self, read: _Read) -> None:
+    def _settle_failed(self, read: Read) -> None:
         """Report a FAILED read once its READ can no longer land (handle released)."""
+        if read.ranks_out:  # nor any of the other ranks' READs
+            if not self._ranks.cancel(read.request_id):
+                return  # retried at the next poll
+            read.ranks_out = False
         if read.handle is not None and not self._release_handle(read):
             with self._lock:
                 peer = self._peers.get(read.peer)
@@ -480,7 +473,7 @@ class Receiver:
                 elif isinstance(frame, ErrorReply):
                     log.warning("side channel: %s says %s", name, frame.message)
 
-    def _on_renew_reply(self, peer: _PeerOut, reply: RenewReply) -> None:
+    def _on_renew_reply(self, peer: PeerOut, reply: RenewReply) -> None:
         sent = peer.sent_at.pop(reply.seq, None)
         for rid, status, remaining in zip(
             reply.request_ids, reply.statuses, reply.remaining_s, strict=True
@@ -549,14 +542,14 @@ class Receiver:
 
     # ------------------------------------------------------------------ failures
 
-    def _fail(self, read: _Read, reason: str, tell_sender: bool = False) -> None:
+    def _fail(self, read: Read, reason: str, tell_sender: bool = False) -> None:
         """Mark a read FAILED (caller holds _lock); poll() settles and reports it."""
         if read.status.state.terminal:
             return
         read.status.fail(reason)
         read.tell_sender = tell_sender
 
-    def _fail_from_nixl(self, read: _Read, reason: str, state: str) -> None:
+    def _fail_from_nixl(self, read: Read, reason: str, state: str) -> None:
         """A NIXL error fails the read; a dropped connection also marks its sender down. A
         live sender is told to free the blocks once the handle is released (no READ can land
         then), rather than hold them to the lease's end."""
@@ -566,7 +559,7 @@ class Receiver:
             if peer is not None and peer.alive and "DISCONNECT" in state.upper():
                 self._peer_down(peer, "its NIXL connection dropped")
 
-    def _peer_down(self, peer: _PeerOut, reason: str) -> None:
+    def _peer_down(self, peer: PeerOut, reason: str) -> None:
         """Caller holds _lock: a sender is gone; every read from it fails."""
         peer.alive = False
         peer.dead_reason = reason
@@ -574,7 +567,7 @@ class Receiver:
             if read.peer == peer.name:
                 self._fail(read, f"peer {peer.name!r} failed: {reason}")
 
-    def _drop_peer(self, peer: _PeerOut, reason: str) -> None:
+    def _drop_peer(self, peer: PeerOut, reason: str) -> None:
         with self._lock:
             self._peer_down(peer, reason)
             reads = [r for r in self._reads.values() if r.peer == peer.name]
@@ -585,14 +578,16 @@ class Receiver:
             self._peers.pop(peer.name, None)
         self._channel.retire(peer.sock)
 
-    def _forget_nixl(self, peer: _PeerOut) -> None:
+    def _forget_nixl(self, peer: PeerOut) -> None:
         if peer.dlist is not None:
             self._nixl.forget_peer(peer.name, peer.dlist)
             peer.dlist = None
         while peer.ranks:  # its other ranks' agents (a TP sender), each forgotten once
             self._nixl.forget_peer(peer.ranks.pop(), None)
+        if self._ranks is not None:
+            self._ranks.forget(peer.name)
 
-    def _release_handle(self, read: _Read) -> bool:
+    def _release_handle(self, read: Read) -> bool:
         if not self._release_xfer(read.handle, read.request_id):
             return False
         read.handle = None

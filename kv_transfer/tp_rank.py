@@ -28,6 +28,14 @@ def agent_name(name: str, rank: int) -> str:
     return name if rank == 0 else f"{name}.tp{rank}"
 
 
+def endpoint(name: str, rank: int):
+    """This rank process's NixlEndpoint for rank 0's agent `name` (registered by `rank_hook`)."""
+    nixl = _ENDPOINTS.get(agent_name(name, rank))
+    if nixl is None:
+        raise ValueError(f"rank {rank} has no NIXL agent for {name!r}: not registered")
+    return nixl
+
+
 def rank_hook(cache, rank: int, arg: dict) -> dict:
     """On rank `rank`: register `cache` with a NIXL agent of its own; answer what a reader
     needs (JSON-able)."""

@@ -6,8 +6,10 @@ windows of the last `history_s` seconds (their length histograms are merged: one
 too few requests for a tail) and a Holt forecast of the arrival rate (level + damped trend,
 updated once per window). `forecast_rate()` is the rate expected when a worker asked for now
 would be ready (`startup_s + interval_s` ahead). The planner scales up on the larger of it and
-the last window's rate (`up_rate`), so a burst is never smoothed away, and down only when a
-smaller pool carries the forecast plus a margin that grows with the rate's noise (`down_rate`).
+the last window's rate (`up_rate`) when that window's excess work outlives a start-up
+(`spike_outlives_startup`: a worker asked for a spike that is over before it serves buys
+nothing), and down only when a smaller pool carries the forecast plus a margin that grows
+with the rate's noise (`down_rate`).
 
 `LengthDist` is a length histogram as the sizing math wants it: (share, mean, spread) per
 bucket. Inside a bucket the lengths are taken as uniform on the widest interval around the
@@ -279,20 +281,31 @@ class DemandTracker:
         forecast = self.forecast_rate()
         return max(self.holt.noise, math.sqrt(max(forecast, 0.0) / self.config.interval_s))
 
-    def up_rate(self, room_s: float = 0.0) -> float:
+    def up_rate(self, room_s: float = 0.0, spike_s: float | None = None) -> float:
         """The rate a scale-up provisions for: the forecast plus `up_noise_sigmas` of noise
         (the windows until a new worker is ready will peak above their mean), or the last
         window's rate when it stood out of the noise expected before it (a burst: more than
         BURST_SIGMAS above the one-step forecast); a window merely at the top of the noise
         does not start a worker. `room_s`: seconds a request may queue within its target
         (`queue_share`): a window's excess over the forecast then only needs the capacity
-        that drains it within that room, and the noise is that of the longer average."""
+        that drains it within that room, and the noise is that of the longer average.
+        `spike_s`: how long a window's excess keeps the pool busy after the window (None:
+        for ever); when the window and that time end before a worker asked for now would
+        serve (`spike_outlives_startup`), the burst is left to the pool as it is (the Holt
+        level still absorbs a lasting shift within a few windows)."""
         share = queue_share(self.config.interval_s, room_s)
         forecast = self.forecast_rate()
         provisioned = forecast + self.config.up_noise_sigmas * self.noise() * math.sqrt(share)
-        if not self._burst:
+        if not self._burst or not self.spike_outlives_startup(spike_s):
             return provisioned
         return max(provisioned, share * self.last_rate + (1 - share) * provisioned)
+
+    def spike_outlives_startup(self, spike_s: float | None) -> bool:
+        """Whether a window's excess work is still there when a worker asked for now serves:
+        the window plus `spike_s` (its queue's room, a sequence's lifetime) reach past the
+        start-up. A worker started for work that is done (or missed) before it serves is a
+        start-up of GPU time for nothing (Dynamo's over-reaction to spikes)."""
+        return spike_s is None or self.config.interval_s + spike_s >= self.startup_s
 
     def down_rate(self, room_s: float = 0.0) -> float:
         """The rate a smaller pool must still carry: the forecast plus the larger of
@@ -340,11 +353,12 @@ class DemandTracker:
             recent.uncached = min(1.0, last.uncached_prompt_tokens / last.prompt_lengths.total)
         return recent
 
-    def burst_workload(self) -> Workload | None:
+    def burst_workload(self, rate: float | None = None) -> Workload | None:
         """The last window's length mix at the scale-up rate, when its prompts or answers are
         longer than the recent history's by more than BURST_SIGMAS standard errors (a burst
         of long prompts shows here before the history absorbs it; a window's sampling noise
-        does not start a worker). None otherwise."""
+        does not start a worker); `rate`: the pool's scale-up rate (default `up_rate()`).
+        None otherwise."""
         last = self.last_window_workload()
         if last is None:
             return None
@@ -354,7 +368,7 @@ class DemandTracker:
             heavier = heavier or _heavier(last.outputs, self._outputs, count)
         if not heavier:
             return None
-        last.rate = self.up_rate()
+        last.rate = self.up_rate() if rate is None else rate
         return last
 
 

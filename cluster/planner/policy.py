@@ -8,8 +8,9 @@ Lifecycle of one `decide(now, window, pools)`:
    model predict the observed TTFT p90 / TPOT p50 is blended into that pool's correction
    (EWMA, clamped per step and overall); without evidence the correction decays toward 1;
 3. size: `sizing.plan_pools` for the demand expected when a worker asked for now would be
-   ready (up: the forecast plus its noise, or a burst's own rate and length mix; down: the
-   forecast plus a margin that grows with the noise), conditional disaggregation included;
+   ready (up: the forecast plus its noise, or a burst's own rate and length mix where the
+   burst's work outlives a start-up; down: the forecast plus a margin that grows with the
+   noise), conditional disaggregation included;
 4. step each pool: up at once (after `up_cooldown_s`), counting starting workers as there;
    down by at most `down_step` only after `down_stable_windows` windows in a row wanted fewer,
    `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s`, and
@@ -234,15 +235,21 @@ class Planner:
         short answers, which saved 1% on the Mooncake slice and smoothed bursts that a 50 ms
         target needs met at once)."""
         rooms = {PREFILL_POOL: self._queue_room_s(queued_wl, corr), DECODE_POOL: 0.0}
+        # How long a window's excess keeps each pool busy: a prefill spike queues and drains
+        # (or misses) within its room; a decode spike's sequences hold their slots for their
+        # answers' length at the TPOT target.
+        spikes = {
+            PREFILL_POOL: rooms[PREFILL_POOL],
+            DECODE_POOL: queued_wl.outputs.mean() * self.targets.slo_tpot_s,
+        }
         up, down = {}, {}
         for pool, room_s in rooms.items():
             share = queue_share(self.config.interval_s, room_s)
             targets = replace(self.targets, queue_share=share)
-            wl = self._residual_backlog(
-                self.demand.workload(self.demand.up_rate(room_s)), pools, corr
-            )
+            rate = self.demand.up_rate(room_s, spikes[pool])
+            wl = self._residual_backlog(self.demand.workload(rate), pools, corr)
             up[pool] = self._plan(wl, corr, prefer_local, targets)
-            burst_wl = self.demand.burst_workload()
+            burst_wl = self.demand.burst_workload(rate)
             # A window of long prompts that may queue for more than a window is met by the
             # queue room (its rate share above), not by workers sized at its own mix.
             if burst_wl is not None and (pool == DECODE_POOL or share > 0.5):

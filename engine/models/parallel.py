@@ -127,15 +127,11 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
 
 
 def check_tp_settings(tp, role: str, load_format: str) -> None:
-    """EngineConfig's check: what tensor parallelism does not support yet is refused by name."""
+    """EngineConfig's check: what tensor parallelism does not support yet is refused by name.
+    Every role runs TP (a decode group's ranks READ their own KV heads); `role` stays for the
+    callers, which name the pool a refusal is about."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-    if tp > 1 and role == "decode":
-        raise ValueError(
-            f"tensor_parallel_size {tp} needs role 'colocated' or 'prefill': a decode worker "
-            "reads its KV with one NIXL agent, and the read orders for its other ranks are "
-            f"not built (role {role!r})"
-        )
     if tp > 1 and load_format == "dummy":
         raise ValueError(
             f"tensor_parallel_size {tp} needs a checkpoint: load_format 'dummy' draws "

@@ -300,18 +300,15 @@ def test_serve_help_documents_the_tp_flags(capsys):
 
 @pytest.mark.parametrize("role", [PREFILL, DECODE])
 def test_a_pool_tp_size_meets_the_engines_own_role_check_at_start(make_tiny_model, role):
-    """`--prefill-tp 2` / `--decode-tp 2` on a model TP 2 can split: what the engine says of TP
-    for that role (today it refuses TP > 1 outside colocated replicas, until the KV hand-off
-    across TP sizes lands) is what `tandem serve` says at start, naming the flag; no more."""
+    """`--prefill-tp 2` / `--decode-tp 2` on a model TP 2 can split: the engine runs TP 2 in
+    both roles (a decode group's ranks READ their own KV heads: kv_transfer/tp_read.py), so
+    `tandem serve` accepts both at start; a size the engine refuses is refused naming the
+    flag."""
     from engine.models.parallel import check_tp_settings
 
     model = str(make_tiny_model("llama", "tiny", 0))
-    s = ServeSettings(model=model, **{f"{role}_tp": 2})
-    try:
-        check_tp_settings(2, role, "auto")
-    except ValueError as e:
-        with pytest.raises(ValueError) as got:
-            s.check_tp()
-        assert str(got.value) == f"--{role}-tp 2: {e}"
-    else:
-        s.check_tp()
+    check_tp_settings(2, role, "auto")  # no role refuses TP 2 any more
+    ServeSettings(model=model, **{f"{role}_tp": 2}).check_tp()
+    with pytest.raises(ValueError) as got:
+        ServeSettings(model=model, **{f"{role}_tp": 3}).check_tp()
+    assert str(got.value).startswith(f"--{role}-tp 3: ")

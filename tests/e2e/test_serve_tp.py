@@ -1,18 +1,28 @@
-"""`tandem serve --prefill-tp 2` on CPU: 1 prefill worker that is a tensor-parallel group of two
-ranks (its rank-0 actor in a Ray placement group, the second rank a subprocess of it, each
-rank with its own NIXL agent over its own half of the KV heads) and 1 decode worker at TP 1.
+"""`tandem serve --prefill-tp 2 --decode-tp 2` on CPU: 1 prefill worker and 1 decode worker,
+each a tensor-parallel group of two ranks (its rank-0 actor in a Ray placement group, the
+second rank a subprocess of it, each rank with its own NIXL agent over its own half of the KV
+heads).
 
-Long prompts are prefilled by the TP-2 group and their KV READ by the decode worker in head
-slices from both ranks; short ones stay on the decode worker. Every answer is transformers'
+Long prompts are prefilled by the prefill group, and each decode rank READs its own KV head
+from the prefill rank that holds it (the second decode rank on rank 0's order,
+kv_transfer/tp_read.py); short ones stay on the decode worker. Every answer is transformers'
 greedy fp32 text, the remote ones from transferred KV (0 recomputes, bytes read equal to the
 prompts' blocks of every head), every block comes back and the server exits cleanly.
 
-(P1, D1) is what the rest of tests/e2e serves; (P4, D1) with replicated KV heads and FP8 KV at
-(P2, D1) are proved at the worker level (tests/kv_transfer/test_tp_handoff.py); a decode
-worker at TP > 1 is refused at start (tests/cluster/test_serve_flags.py)."""
+Then the decode group's second rank is SIGKILLed: the next request fails with a clear error
+naming the rank (500), the worker's actor exits on it and Ray restarts the whole group as a
+new incarnation, which answers transformers' text again (13 s after the kill when measured
+on the 2-core box), with every block back.
+
+(P1, D1) is what the rest of tests/e2e serves; (P1, D2), (P2, D1), (P4, D1) and (P1, D4) with
+replicated KV heads, and FP8 KV at (P2, D1), are proved at the worker level
+(tests/kv_transfer/test_tp_handoff.py, test_tp_decode.py)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import openai
@@ -35,6 +45,40 @@ def _children(pid: int) -> list[str]:
     return out
 
 
+def _rank_pids(pid: int) -> list[int]:
+    """Pids of `pid`'s tensor-parallel rank processes (Linux /proc)."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            if b"engine.distributed" in Path(f"/proc/{child}/cmdline").read_bytes():
+                out.append(int(child))
+    return out
+
+
+def _kill_a_decode_rank_and_wait_for_the_new_group(server, client, request: dict, want: str):
+    """SIGKILL decode rank 1: a clear error, then the restarted group's exact answer."""
+    decode = next(w for w in server.pids() if w.startswith("decode"))
+    old = server.pids()[decode]
+    [rank] = _rank_pids(old)
+    os.kill(rank, signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        client.completions.create(**request)
+        raise AssertionError("a request to a group that lost a rank was answered")
+    except openai.APIStatusError as e:
+        assert "tensor-parallel group is down" in str(e) and "rank 1" in str(e), e
+    deadline = t0 + 120
+    while True:
+        try:
+            got = client.completions.create(**request).choices[0].text
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the decode group did not come back"
+            time.sleep(0.5)
+    print(f"decode rank killed -> the new group answered after {time.monotonic() - t0:.1f} s")
+    assert server.pids()[decode] != old and got == want
+
+
 def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
@@ -48,13 +92,15 @@ def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(start_serve, e2e_model):
+def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp2_decode_worker(start_serve, e2e_model):
     flags = ("--dtype", "float32", "--prefill", "1", "--decode", "1", "--prefill-tp", "2",
-             "--disagg-threshold", str(THRESHOLD), "--routing", "affinity")  # fmt: skip
+             "--decode-tp", "2", "--disagg-threshold", str(THRESHOLD),
+             "--routing", "affinity")  # fmt: skip
     with start_serve(e2e_model, *flags) as server:
-        prefill = next(w for w in server.pids() if w.startswith("prefill"))
-        ranks = [c for c in _children(server.pids()[prefill]) if "engine.distributed" in c]
-        assert len(ranks) == 1, ranks  # the prefill worker really is a group of two
+        for pool in ("prefill", "decode"):  # each worker really is a group of two
+            worker = next(w for w in server.pids() if w.startswith(pool))
+            ranks = [c for c in _children(server.pids()[worker]) if "engine.distributed" in c]
+            assert len(ranks) == 1, (pool, ranks)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         name = client.models.list().data[0].id
         check = TransferCheck(server, e2e_model)
@@ -71,7 +117,12 @@ def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp1_decode_worker(start_serve, e
         assert paths == ["remote"] * len(REMOTE) + ["local"] * len(LOCAL)
         check.verify([len(p) for p in REMOTE])
         server.wait_all_blocks_free()
-    from transformers import AutoTokenizer
+        from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(e2e_model)
-    assert got == [tok.decode(ids) for ids in _hf_greedy(e2e_model, REMOTE + LOCAL)]
+        tok = AutoTokenizer.from_pretrained(e2e_model)
+        want = [tok.decode(ids) for ids in _hf_greedy(e2e_model, REMOTE + LOCAL)]
+        assert got == want
+        request = dict(model=name, prompt=REMOTE[0], max_tokens=MAX_TOKENS, temperature=0,
+                       extra_body={"ignore_eos": True})  # fmt: skip
+        _kill_a_decode_rank_and_wait_for_the_new_group(server, client, request, want[0])
+        server.wait_all_blocks_free()

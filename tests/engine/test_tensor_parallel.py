@@ -183,7 +183,6 @@ def _children() -> set[int]:
         ({"tensor_parallel_size": 3}, "must divide num_attention_heads"),
         ({"tensor_parallel_size": 8}, "must divide num_attention_heads"),
         ({"tensor_parallel_size": 0}, "integer >= 1"),
-        ({"tensor_parallel_size": 2, "role": "decode"}, "read orders"),
         ({"tensor_parallel_size": 2, "load_format": "dummy"}, "needs a checkpoint"),
     ],
 )

@@ -66,12 +66,15 @@ def _hf_model(path: str):
 
 
 class Decode:
-    """A decode worker (TP 1) and the socket its tokens come back on."""
+    """A decode worker (TP 1, or `tensor_parallel_size=N`: tests/kv_transfer/test_tp_decode.py)
+    and the socket its tokens come back on."""
 
     def __init__(self, model, faults=None, agent=None, **settings):
         n = next(_ids)
         self.engine = LLMEngine(EngineConfig(model=str(model), role="decode", **KW, **settings))
-        self.agent = KVTransferAgent(f"d{n}", self.engine.cache, faults=faults, **(agent or {}))
+        self.agent = KVTransferAgent(
+            f"d{n}", self.engine.cache, faults=faults, tp_group=self.engine.tp, **(agent or {})
+        )
         self.server = decode_server(f"d{n}", self.engine, self.agent)
         self.ctx = zmq.Context()
         self.sink = self.ctx.socket(zmq.PULL)

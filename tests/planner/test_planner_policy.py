@@ -28,6 +28,11 @@ def config(**overrides) -> PlannerConfig:
     return PlannerConfig(**fields)
 
 
+# A start-up shorter than a window: a one-window spike's work is still there when a worker
+# asked for it serves, so the spike is sized at its own rate (`up_rate`'s burst rule).
+SPIKE_STARTUP_S = 5.0
+
+
 def needs(rate: float, prompt: int = 1000, output: int = 200, cfg=None) -> tuple[int, int]:
     """What the sizing math alone asks for this load (uncorrected)."""
     c = cfg or config()
@@ -77,14 +82,14 @@ def test_a_noisy_steady_load_never_moves_back_and_forth(rate, seed):
 def test_a_pool_shrinks_only_with_margin_to_spare():
     # 32 req/s of 1000 tokens: 2 prefill workers carry up to 36 (20k * 0.9 each). A spike
     # to 37 adds a third; back at 32, two would run within 15% of their limit: it stays.
-    planner = Planner(PROFILE, config(down_cooldown_s=0))
+    planner = Planner(PROFILE, config(down_cooldown_s=0, startup_s=SPIKE_STARTUP_S))
     assert needs(32)[0] == 2 and needs(37)[0] == 3
     sizes = follow(
         planner, [*steady(32, 20), window(200, 37, 1000, 200), *steady(32, 50, start=21)]
     )
     assert sizes[19][0] == 2 and {s[0] for s in sizes[20:]} == {3}
     # Where two would carry the load with room (27 req/s: 36 / 27 = 1.33), it goes back.
-    planner = Planner(PROFILE, config(down_cooldown_s=0))
+    planner = Planner(PROFILE, config(down_cooldown_s=0, startup_s=SPIKE_STARTUP_S))
     sizes = follow(
         planner, [*steady(27, 20), window(200, 37, 1000, 200), *steady(27, 50, start=21)]
     )
@@ -101,7 +106,7 @@ def test_scale_ups_provision_for_the_noise_until_workers_are_ready():
 
 
 def test_a_burst_scales_up_within_one_decision():
-    planner = Planner(PROFILE, config())
+    planner = Planner(PROFILE, config(startup_s=SPIKE_STARTUP_S))
     follow(planner, steady(10, 20))
     d = planner.decide(210, window(200, 60, 1000, 200), pools(*needs(10)))
     assert (d.desired[P], d.desired[D]) == needs(60)
@@ -117,7 +122,7 @@ def test_a_burst_of_long_prompts_is_not_averaged_away():
 
 
 def test_starting_workers_count_as_provisioned():
-    planner = Planner(PROFILE, config())
+    planner = Planner(PROFILE, config(startup_s=SPIKE_STARTUP_S))
     follow(planner, steady(10, 5))
     have = needs(10)
     up = planner.decide(60, window(50, 60, 1000, 200), pools(*have))
@@ -131,7 +136,7 @@ def test_starting_workers_count_as_provisioned():
 
 
 def test_up_cooldown_holds_a_second_increase():
-    planner = Planner(PROFILE, config(up_cooldown_s=30))
+    planner = Planner(PROFILE, config(up_cooldown_s=30, startup_s=SPIKE_STARTUP_S))
     follow(planner, steady(10, 5))
     first = planner.decide(60, window(50, 30, 1000, 200), pools(*needs(10)))
     have = (first.desired[P], first.desired[D])

@@ -39,7 +39,9 @@ def test_a_burst_window_is_sized_at_its_share_when_requests_may_queue():
 def test_loose_ttft_target_sizes_a_burst_below_a_tight_one():
     sizes = {}
     for ttft_ms in (1000, 30000):
-        cfg = PlannerConfig(slo_ttft_ms=ttft_ms, slo_tpot_ms=50, max_prefill=16, max_decode=16)
+        cfg = PlannerConfig(
+            slo_ttft_ms=ttft_ms, slo_tpot_ms=50, max_prefill=16, max_decode=16, startup_s=5
+        )  # a start-up shorter than the window: the burst is sized, at its share
         planner = Planner(PROFILE, cfg)
         have = follow(planner, [window(10 * i, 8) for i in range(12)], start=(1, 2))[-1]
         d = planner.decide(130, window(120, 40), pools(*have))  # 40k prompt tok/s for 10 s
@@ -66,3 +68,28 @@ def test_length_aware_goal_adds_the_allowance_per_1k_prompt_tokens():
 def test_the_per_1k_allowance_must_not_be_negative():
     with pytest.raises(ValueError, match="slo_ttft_ms_per_1k"):
         PlannerConfig(slo_ttft_ms_per_1k=-1)
+
+
+def test_a_spike_gone_before_a_start_up_starts_no_worker():
+    # One window at 8x the rate. A worker asked for now serves after the 60 s start-up; the
+    # spike's work is done within the window plus its queue room (prefill, 1 s target: none)
+    # or its sequences' lifetime (decode, 200 tokens at 50 ms: 10 s), so neither pool grows
+    # for it beyond what the forecast's level moves. With a 5 s start-up the same spike
+    # outlives it and both pools grow at once.
+    t = DemandTracker(PlannerConfig(interval_s=10, up_noise_sigmas=0), startup_s=60)
+    for i in range(20):
+        t.observe(window(10 * i, 5.0))
+    t.observe(window(200, 40.0))
+    assert t.up_rate(0.0, spike_s=10.0) == pytest.approx(t.forecast_rate())
+    assert t.up_rate(0.0, spike_s=50.0) == 40.0  # its work outlives the start-up
+    assert t.up_rate(0.0) == 40.0  # no lifetime given: sized as before
+    grew = {}
+    for startup_s in (60.0, 5.0):
+        cfg = PlannerConfig(slo_tpot_ms=50, max_prefill=16, max_decode=16, startup_s=startup_s)
+        planner = Planner(PROFILE, cfg)
+        have = follow(planner, [window(10 * i, 5) for i in range(20)], start=(1, 1))[-1]
+        d = planner.decide(210, window(200, 40), pools(*have))
+        grew[startup_s] = (d.desired[P] - have[0], d.desired[D] - have[1])
+    # (The Holt level still moves toward the spike: the prefill pool may grow by that much.)
+    assert grew[60.0][1] == 0 and grew[5.0][1] > 0
+    assert grew[60.0][0] < grew[5.0][0]
