@@ -15,6 +15,7 @@ from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot, KVSnapshotReques
 from engine.protocol import GenerateRequest, PrefillRequest, SamplingParams, Shutdown, TokenMessage
 from engine.wire import WIRE_VERSION, WireError, decode, encode
 from kv_transfer.messages import HelloReply, KVReady
+from kv_transfer.tp_read import RankConnect, RankForget, RankPoll, RankRead, RankStates
 
 _EP = "tcp://127.0.0.1:9"
 
@@ -35,6 +36,12 @@ def _every_message() -> list:
         KVEventBatch("w", "inc", 3, 16, [KVEvent("stored", -5, "device")]),
         KVSnapshotRequest(),
         KVSnapshot("w", "inc", 3, 16, {"device": [1, -2], "host": [3]}),
+        # A tensor-parallel decode worker's READ orders to its other ranks (kv_transfer/tp_read)
+        RankConnect("a", "peer", b"\x01reply", 5.0, faults={"fail_reads": 1}),
+        RankRead("a", "r", "peer", [3, 4], [7, 8]),
+        RankPoll("a", ["r"], cancel=True),
+        RankForget("a", "peer"),
+        RankStates({"r": "DONE", "": "ERR why"}, {"r": 4096}),
     ]
 
 
