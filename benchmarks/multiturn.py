@@ -198,7 +198,7 @@ def summarize(results: dict, metrics: dict[str, float], seconds: float) -> dict:
         "router_index_entries": metrics.get("tandem_kv_index_entries"),
         # [conversation, turn, "path/prefill worker", prompt tokens, tokens computed]
         "requests": [
-            [i, k, r["where"], r["prompt_tokens"], r["prompt_tokens"] - r["cached_tokens"]]
+            [i, k, r.get("where", ""), r["prompt_tokens"], r["prompt_tokens"] - r["cached_tokens"]]
             for (i, k), r in sorted(results.items())
         ],
     }

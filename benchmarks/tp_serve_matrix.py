@@ -8,7 +8,8 @@ level).
 Model: the tiny llama of the tests (`tools.make_model`, 2 KV heads, so TP 4 replicates each
 head on two ranks), fp32. Per pairing, a fresh `tandem serve --prefill 1 --decode 1
 --prefill-tp P --decode-tp D --routing affinity --disagg-threshold 16` (bench/live_server.py),
-then 3 remote prompts (20, 37, 64 tokens) and 1 local one, greedy, 8 tokens, `ignore_eos`.
+then 3 remote prompts (20, 37, 64 tokens, no leading block shared) and 1 local one, greedy,
+8 tokens, `ignore_eos`.
 Checked, per pairing:
 - the texts equal transformers' greedy fp32 texts (FP8 KV: equal to the (P1, D1) FP8 run's,
   since an FP8 cache is not the fp32 model);
@@ -37,7 +38,8 @@ from bench.live_server import LiveServer  # noqa: E402
 
 PAIRS = [(1, 1, "auto"), (2, 1, "auto"), (1, 2, "auto"), (2, 2, "auto"), (4, 1, "auto"),
          (1, 4, "auto"), (1, 1, "fp8_e4m3"), (2, 1, "fp8_e4m3")]  # fmt: skip
-REMOTE = [list(range(3, 3 + n)) for n in (20, 37, 64)]
+# No two share a leading block: the decode worker's own cache holds none of the next one's.
+REMOTE = [list(range(start, start + n)) for start, n in ((3, 20), (100, 37), (200, 64))]
 LOCAL = [[5, 9, 11, 2]]
 MAX_TOKENS, BLOCK, KV_HEADS = 8, 16, 2
 COUNTERS = ("kv_remote_prefills", "kv_recomputes", "kv_transfer_failures", "kv_read_blocks",

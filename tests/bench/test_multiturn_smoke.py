@@ -94,6 +94,8 @@ def test_pool_counters_sum_each_role_and_read_total_suffixes() -> None:
         'tandem_kv_host_hit_tokens_total{worker="prefill-0",role="prefill"}': 10.0,
         'tandem_kv_reused_blocks_total{worker="decode-0",role="decode"}': 3.0,
         'tandem_kv_read_blocks_total{worker="decode-0",role="decode"}': 9.0,
+        # a prefill worker's prefix pulls READ too: every READ counts
+        'tandem_kv_prefix_pull_bytes_total{worker="prefill-0",role="prefill"}': 20.0,
     }
     pools = multiturn.pool_counters(metrics)
     assert (
@@ -102,7 +104,8 @@ def test_pool_counters_sum_each_role_and_read_total_suffixes() -> None:
     results = {(0, 0): {"ttft": 0.1, "prompt_tokens": 120, "cached_tokens": 30, "text": "x"},
                (0, 1): {"ttft": 0.3, "prompt_tokens": 40, "cached_tokens": 0, "text": "y"}}  # fmt: skip
     s = multiturn.summarize(results, metrics, 1.0)
-    assert s["kv_bytes_read"] == 150 and s["prefill_tokens_computed"] == 130
+    assert s["kv_bytes_read"] == 170 and s["prefill_tokens_computed"] == 130
+    assert s["requests"] == [[0, 0, "", 120, 90], [0, 1, "", 40, 40]]
     assert s["prefill_tokens_computed_workers"] == 90
     assert s["hit_ratios"]["prefill"] == {
         "device_hit_ratio": round(20 / 120, 4), "host_hit_ratio": round(10 / 120, 4),
@@ -116,4 +119,4 @@ def test_pool_counters_sum_each_role_and_read_total_suffixes() -> None:
         "bytes_at_most_40pct_of_today": True, "prefill_within_5pct_of_no_cache_held": True,
         "ttft_p50_below_today": True,
     }  # fmt: skip
-    assert ratios["all-on"]["bytes_vs_today"] == 0.15
+    assert ratios["all-on"]["bytes_vs_today"] == 0.17

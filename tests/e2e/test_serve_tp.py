@@ -9,20 +9,19 @@ kv_transfer/tp_read.py); short ones stay on the decode worker. Every answer is t
 greedy fp32 text, the remote ones from transferred KV (0 recomputes, bytes read equal to the
 prompts' blocks of every head), every block comes back and the server exits cleanly.
 
-Then the decode group's second rank is SIGKILLed: the next request fails with a clear error
-naming the rank (500), the worker's actor exits on it and Ray restarts the whole group as a
-new incarnation, which answers transformers' text again (13 s after the kill when measured
-on the 2-core box), with every block back.
+A decode rank SIGKILLed mid-stream is tests/kv_transfer/test_tp_decode.py's (a clear error
+naming the rank, every lease released, the loop's `on_group_down` called once: the worker
+actor then exits and Ray replaces the whole group as it replaces any dead worker; measured
+through `tandem serve` at 13-45 s on the 2-core box when this test still did it, before the
+suite's time budget moved it out).
 
 (P1, D1) is what the rest of tests/e2e serves; (P1, D2), (P2, D1), (P4, D1) and (P1, D4) with
 replicated KV heads, and FP8 KV at (P2, D1), are proved at the worker level
-(tests/kv_transfer/test_tp_handoff.py, test_tp_decode.py)."""
+(tests/kv_transfer/test_tp_handoff.py, test_tp_decode.py) and through `tandem serve` by
+benchmarks/tp_serve_matrix.py (too slow for this suite)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import openai
@@ -43,40 +42,6 @@ def _children(pid: int) -> list[str]:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             out.append(cmdline.decode(errors="replace"))
     return out
-
-
-def _rank_pids(pid: int) -> list[int]:
-    """Pids of `pid`'s tensor-parallel rank processes (Linux /proc)."""
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            if b"engine.distributed" in Path(f"/proc/{child}/cmdline").read_bytes():
-                out.append(int(child))
-    return out
-
-
-def _kill_a_decode_rank_and_wait_for_the_new_group(server, client, request: dict, want: str):
-    """SIGKILL decode rank 1: a clear error, then the restarted group's exact answer."""
-    decode = next(w for w in server.pids() if w.startswith("decode"))
-    old = server.pids()[decode]
-    [rank] = _rank_pids(old)
-    os.kill(rank, signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        client.completions.create(**request)
-        raise AssertionError("a request to a group that lost a rank was answered")
-    except openai.APIStatusError as e:
-        assert "tensor-parallel group is down" in str(e) and "rank 1" in str(e), e
-    deadline = t0 + 120
-    while True:
-        try:
-            got = client.completions.create(**request).choices[0].text
-            break
-        except openai.APIError:
-            assert time.monotonic() < deadline, "the decode group did not come back"
-            time.sleep(0.5)
-    print(f"decode rank killed -> the new group answered after {time.monotonic() - t0:.1f} s")
-    assert server.pids()[decode] != old and got == want
 
 
 def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -122,7 +87,3 @@ def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp2_decode_worker(start_serve, e
         tok = AutoTokenizer.from_pretrained(e2e_model)
         want = [tok.decode(ids) for ids in _hf_greedy(e2e_model, REMOTE + LOCAL)]
         assert got == want
-        request = dict(model=name, prompt=REMOTE[0], max_tokens=MAX_TOKENS, temperature=0,
-                       extra_body={"ignore_eos": True})  # fmt: skip
-        _kill_a_decode_rank_and_wait_for_the_new_group(server, client, request, want[0])
-        server.wait_all_blocks_free()
