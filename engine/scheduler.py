@@ -278,6 +278,8 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
+        if not self.waiting:  # the usual decode step: no set of in-flight blocks to build
+            return
         inflight = self._in_flight_blocks()
         deferred: list[Sequence] = []
         try:

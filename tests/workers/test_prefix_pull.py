@@ -14,8 +14,8 @@ import pytest
 import zmq
 from test_handoff import SP, Pair, _prompts
 
-from engine import LLM
-from engine.protocol import AbortRequest, PrefillRequest, PrefixSource
+from engine import LLM, SamplingParams
+from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, PrefixSource
 from engine.wire import encode
 
 BS = 16
@@ -44,6 +44,15 @@ def _prefill_from(pair, rid, prompt, src_endpoint, tokens):
         rid, prompt, SP, pair.reply_to, pair.d.worker_id, pair.d.endpoint, prefix_from=src
     )
     pair.push[pair.p.endpoint].send(encode(msg))
+
+
+def _only_on_the_prefill_worker(pair, prompt) -> None:
+    """Prefill `prompt` on the prefill worker, finished by its first token: never handed off,
+    so only the prefill worker's cache holds it."""
+    one = SamplingParams(max_tokens=1, temperature=0)
+    msg = PrefillRequest("turn1", prompt, one, pair.reply_to, pair.d.worker_id, pair.d.endpoint)
+    pair.push[pair.p.endpoint].send(encode(msg))
+    pair.collect(["turn1"])
 
 
 def _computed(server) -> int:
@@ -111,8 +120,6 @@ def test_no_answer_in_time_computes_the_prompt(model, turns, expected):
 
 
 def test_abort_while_pulling_releases_the_late_offer_and_frees_every_block(model, turns):
-    from engine import SamplingParams
-
     first, second = turns
     pair = Pair(model, lease_seconds=30.0)
     try:
@@ -142,20 +149,10 @@ def test_abort_while_pulling_releases_the_late_offer_and_frees_every_block(model
 def test_a_local_prefill_on_the_decode_worker_reads_what_the_prefill_worker_holds(
     model, turns, expected
 ):
-    from engine import SamplingParams
-    from engine.protocol import GenerateRequest
-
     first, second = turns
     pair = Pair(model)
     try:
-        # Prefilled on the prefill worker and finished by its first token: never handed off,
-        # so only the prefill worker's cache holds it.
-        one = SamplingParams(max_tokens=1, temperature=0)
-        pair.push[pair.p.endpoint].send(
-            encode(PrefillRequest("turn1", first, one, pair.reply_to, pair.d.worker_id,
-                                  pair.d.endpoint))
-        )  # fmt: skip
-        pair.collect(["turn1"])
+        _only_on_the_prefill_worker(pair, first)
         before = _computed(pair.d)
         src = PrefixSource(pair.p.worker_id, pair.p.endpoint, len(first))
         msg = GenerateRequest("turn2", second, SP, pair.reply_to, prefix_from=src)
@@ -196,18 +193,10 @@ def test_the_holder_lends_blocks_its_host_tier_holds(model, turns, expected):
 def test_a_failed_pull_read_computes_the_prompt_and_frees_the_holders_blocks(
     model, turns, expected
 ):
-    from engine import SamplingParams
-    from engine.protocol import GenerateRequest
-
     first, second = turns
     pair = Pair(model, decode_faults={"fail_reads": 1})  # the decode worker's first READ fails
     try:
-        one = SamplingParams(max_tokens=1, temperature=0)
-        pair.push[pair.p.endpoint].send(
-            encode(PrefillRequest("turn1", first, one, pair.reply_to, pair.d.worker_id,
-                                  pair.d.endpoint))
-        )  # fmt: skip
-        pair.collect(["turn1"])
+        _only_on_the_prefill_worker(pair, first)
         src = PrefixSource(pair.p.worker_id, pair.p.endpoint, len(first))
         msg = GenerateRequest("turn2", second, SP, pair.reply_to, prefix_from=src)
         pair.push[pair.d.endpoint].send(encode(msg))
