@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.gguf_file import GGUFCheckpoint, is_gguf
 from engine.models import CausalLM
 from engine.models.linear import Linear
+from engine.models.weight_arena import pack_weights
 from engine.quantization import fp8
 from engine.quantization.checkpoint import FP8Checkpoint
 
@@ -65,6 +66,8 @@ def build_model(
     else:
         load_weights(model, cfg.path, shard)
         model.quantize(quantization)
+    if torch.device(device).type == "cpu":
+        pack_weights(model)  # one stream for the decode step's weights (weight_arena)
     return model.eval().requires_grad_(False)
 
 

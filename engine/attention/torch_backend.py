@@ -67,6 +67,23 @@ class TorchAttentionBackend:
             self._prefill_one(layer, i, q, k, v, out, cache, meta)
         return out
 
+    def stack_args(self, cache: KVCache, dtype: torch.dtype, rows: int) -> tuple | None:
+        """What the C++ layer loop (engine.models.decode_stack) needs for this step, or None
+        when `forward` would not take the decode-only CPU kernel path in every layer (then the
+        layers run in Python): (cache data, blocks, offsets, tables, lens, scale, window)."""
+        if self._kernel is None or self._cache_write is None or cache.scales is not None:
+            return None
+        if cache.data.dtype != dtype or cache.data.device.type != "cpu":
+            return None
+        meta = get_forward_context()
+        plan = self._decode_plan(meta, cache.spec.block_size, cache.data.device)
+        if plan is None or plan.rows is not None or meta.prefill_idx:
+            return None
+        if plan.tables.shape[0] != rows:
+            return None
+        window = self.sliding_window or 0
+        return cache.data, self._blocks, self._offsets, plan.tables, plan.lens, self.scale, window
+
     def _decode_plan(self, meta: AttentionMetadata, bs: int, device) -> DecodePlan | None:
         if meta is self._plan_meta:
             return self._plan

@@ -6,6 +6,8 @@
   AVX-512 intrinsics where available).
 - `fused`: residual add + RMSNorm, in-place RoPE, SiLU-and-multiply (fp32/bf16), keeping Hugging
   Face's rounding points so greedy parity holds.
+- `decode_stack`: a whole decode step (every layer) in one C++ call for 1-3 rows, made of the
+  ops above (AVX-512 only).
 
 `ops()` compiles all of them as one extension (one compile of torch's headers, ~30-60 s the
 first time on a 2-core box, then cached on disk by torch's cpp_extension under
@@ -24,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernels import fused, linear, paged_decode
+from engine.kernels import decode_stack, fused, linear, paged_decode
 
 log = logging.getLogger(__name__)
 _NAME = "tandem_cpu_kernels"
@@ -52,6 +54,9 @@ class CpuOps:
     add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
     rope_: Any = None
     silu_mul: Any = None
+    # The C++ layer loop for 1-3 decode rows (engine.kernels.decode_stack): a class, built
+    # from the kernels above, so offered only when all of them passed their checks.
+    decode_stack: Any = None
 
 
 def gpu_ops():
@@ -107,10 +112,12 @@ def source() -> str:
             linear.SOURCE,
             paged_decode.SOURCE,
             fused.SOURCE,
+            decode_stack.SOURCE,  # calls the three above: after them
             "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
             linear.BINDINGS,
             paged_decode.BINDINGS,
             fused.BINDINGS,
+            decode_stack.BINDINGS,
             "}",
         ]
     )
@@ -165,6 +172,7 @@ def ops() -> CpuOps | None:
     ):
         if present is not None and not ok:
             log.warning("tandem CPU kernel %r disagrees with its reference; not using it", name)
+    all_ok = gemm_ok and attn_ok and fused_ok
     return CpuOps(
         gemv=found.gemv if gemm_ok else None,
         tiled_linear=found.tiled_linear if gemm_ok else None,
@@ -173,6 +181,7 @@ def ops() -> CpuOps | None:
         add_rms_norm=found.add_rms_norm if fused_ok else None,
         rope_=found.rope_ if fused_ok else None,
         silu_mul=found.silu_mul if fused_ok else None,
+        decode_stack=getattr(mod, "DecodeStack", None) if all_ok else None,
     )
 
 

@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels
+from engine import kernels, quantization
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
+from engine.models import decode_stack
 from engine.models.linear import Linear, cpu_has_native_bf16_gemm, quantize_linears
 from engine.models.rope import rope_tables, rotate_half
 from engine.quantization.fp8 import FP8Tokens
@@ -201,16 +202,24 @@ class CausalLM(nn.Module):
 
     def quantize(self, method: str | None) -> int:
         """Quantize the decoder layers' projections (`method`: one of
-        engine.quantization.RESOLVED; the head and embeddings stay exact); on CPU the int8
-        layers use the compiled kernels when they are available. Returns how many projections
-        were quantized (an FP8 checkpoint's layers already are and do not count)."""
+        engine.quantization.RESOLVED; the embeddings stay exact); on CPU the int8 layers use
+        the compiled kernels when they are available, and with them the head is int8 too (as
+        a GGUF Q8_0 file's is): at batch 1 the head is a fifth of a small model's bytes a step
+        (SmolLM2: 57 of 164 MB), and the int8 GEMV reads half of them. Elsewhere the head stays
+        exact (a GPU would dequantize it every call). Returns how many decoder projections were
+        quantized (an FP8 checkpoint's layers already are and do not count)."""
+        self._decode_stack = None
         n = quantize_linears(self.model.layers, method)
-        if n and self.lm_head.weight.device.type == "cpu":
-            ops = kernels.ops()
-            if ops is not None and ops.tiled_linear is not None:
-                for m in self.modules():
-                    if isinstance(m, Linear) and m.scheme == "int8":
-                        m.int8_ops = ops
+        if not n or self.model.norm.weight.device.type != "cpu":
+            return n
+        ops = kernels.ops()
+        if ops is None or ops.tiled_linear is None:
+            return n
+        if quantization.validate(method) == "int8" and type(self.lm_head) is Linear:
+            self.lm_head.quantize_int8()  # a tied head gets its own int8 copy
+        for m in self.modules():
+            if isinstance(m, Linear) and m.scheme == "int8":
+                m.int8_ops = ops
         return n
 
     def use_fused_cpu_ops(self, enabled: bool) -> None:
@@ -224,6 +233,7 @@ class CausalLM(nn.Module):
     def use_fused_ops(self, ops) -> None:
         """The fused norm / RoPE / SiLU ops every layer uses (CPU kernels or the GPU's Triton
         ops; None: torch), and the GPU's one-pass FP8 activation quantization for W8A8."""
+        self._decode_stack = None
         for m in self.modules():
             if isinstance(m, RMSNorm | Attention | MLP):
                 m.fused = ops
@@ -240,6 +250,7 @@ class CausalLM(nn.Module):
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
         `Linear`); without the kernels, only the widened fp32 path is used. `gemv_only` (a CPU
         with native bf16 GEMMs): the GEMV kernel for 1-3 rows, torch's bf16 GEMM otherwise."""
+        self._decode_stack = None
         ops = kernels.ops() if enabled else None
         for m in self.modules():
             if isinstance(m, Linear):
@@ -255,10 +266,25 @@ class CausalLM(nn.Module):
             # HF casts the fp32 tables to the activation dtype before use; so do we (the
             # fused RoPE does that cast itself).
             cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+        stack = self._stack() if decode_stack.rows_qualify(input_ids.shape[0]) else None
+        args = None
+        if stack is not None and hasattr(backend, "stack_args"):
+            args = backend.stack_args(cache, x.dtype, input_ids.shape[0])
+        if args is not None:  # the whole step in one C++ call, same kernels, same result
+            return stack.run(x, cos, sin, *args)
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, cache, backend)
         return self.model.norm.add_forward(x, residual)[0]
+
+    _decode_stack = None  # (built for this configuration, the stack or None)
+
+    def _stack(self):
+        """The C++ decode loop for this model's current configuration, built on first use (the
+        kernel routing and quantization are set after construction; changing either resets it)."""
+        if self._decode_stack is None:
+            self._decode_stack = (True, decode_stack.build(self))
+        return self._decode_stack[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
