@@ -74,29 +74,38 @@ inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n)
 // an AMD EPYC: rows of 576-1536 weights are too short for four interleaved streams to get the
 // hardware prefetcher going. In address order the GEMV reads at ~1.0x of `sum()` (bf16) and
 // ~0.75x (int8) there (`benchmarks/cpu_decode.py`).
-template <int MB, typename W, typename O>
+// GS: int8 weights with one scale per G consecutive weights of a row (gp [N, K / G]; G a
+// multiple of 16): each widened 16-weight vector is multiplied by its group's scale before the
+// FMA (the row scale `sp` is then null).
+template <int MB, bool GS = false, typename W, typename O>
 static void rows(const W* wp, const float* xp, const float* sp, const float* bp, O* op,
-                 int64_t n0, int64_t n1, int64_t K, int64_t N) {
+                 int64_t n0, int64_t n1, int64_t K, int64_t N, const float* gp = nullptr,
+                 int64_t G = 0) {
     const int64_t K32 = K - K % 32, K16 = K - K % 16;
     const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
     for (int64_t n = n0; n < n1; ++n) {
         const W* r = wp + n * K;
+        const float* g = GS ? gp + n * (K / G) : nullptr;
+        auto scaled = [&](__m512 v, int64_t k) {
+            if constexpr (GS) return _mm512_mul_ps(v, _mm512_set1_ps(g[k / G]));
+            else return v;
+        };
         __m512 a[MB][2];
         for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K32; k += 32) {
-            const __m512 w0 = widen16(r + k), w1 = widen16(r + k + 16);
+            const __m512 w0 = scaled(widen16(r + k), k), w1 = scaled(widen16(r + k + 16), k + 16);
             for (int m = 0; m < MB; ++m) {
                 a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + k), a[m][0]);
                 a[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + m * K + k + 16), a[m][1]);
             }
         }
         if (K32 < K16) {
-            const __m512 w0 = widen16(r + K32);
+            const __m512 w0 = scaled(widen16(r + K32), K32);
             for (int m = 0; m < MB; ++m)
                 a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + K32), a[m][0]);
         }
         if (K16 < K) {
-            const __m512 w1 = widen16(r + K16, tail);
+            const __m512 w1 = scaled(widen16(r + K16, tail), K16);
             for (int m = 0; m < MB; ++m)
                 a[m][1] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(tail, xp + m * K + K16),
                                           a[m][1]);
@@ -174,8 +183,9 @@ inline __m512 hsum16(const __m512* v) {
 
 // A 4x4 tile: 4 weight rows x 4 activation rows (fp32); r[n * 4 + m] = dot(w[n], x[m]).
 // Rows past the edge are pointed at a valid row by the caller and their results dropped.
-template <typename W>
-inline void tile(const W* const* w, const float* const* x, int64_t K, float* r) {
+template <typename W, bool GS = false>
+inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
+                 const float* const* g = nullptr, int64_t G = 0) {
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     const int64_t K16 = K - K % 16;
@@ -184,6 +194,7 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r) 
         for (int n = 0; n < 4; ++n) {
             _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + kPrefetchBytes, _MM_HINT_T0);
             wv[n] = widen16(w[n] + k);
+            if constexpr (GS) wv[n] = _mm512_mul_ps(wv[n], _mm512_set1_ps(g[n][k / G]));
         }
         for (int m = 0; m < 4; ++m) {
             __m512 xv = _mm512_loadu_ps(x[m] + k);
@@ -193,7 +204,10 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r) 
     if (K16 < K) {
         const __mmask16 mk = (__mmask16)((1u << (K - K16)) - 1);
         __m512 wv[4];
-        for (int n = 0; n < 4; ++n) wv[n] = widen16(w[n] + K16, mk);
+        for (int n = 0; n < 4; ++n) {
+            wv[n] = widen16(w[n] + K16, mk);
+            if constexpr (GS) wv[n] = _mm512_mul_ps(wv[n], _mm512_set1_ps(g[n][K16 / G]));
+        }
         for (int m = 0; m < 4; ++m) {
             __m512 xv = _mm512_maskz_loadu_ps(mk, x[m] + K16);
             for (int n = 0; n < 4; ++n) acc[n * 4 + m] = _mm512_fmadd_ps(wv[n], xv, acc[n * 4 + m]);
@@ -202,9 +216,9 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r) 
     _mm512_storeu_ps(r, hsum16(acc));
 }
 
-template <typename W, typename O>
+template <bool GS, typename W, typename O>
 void tiled(const W* wp, const float* xp, const float* sp, const float* bp, O* op, int64_t M,
-           int64_t K, int64_t N) {
+           int64_t K, int64_t N, const float* gp, int64_t G) {
     const int64_t NT = (N + 3) / 4;
     // Activation rows in blocks that stay in L2 while a thread's weight tiles pass over them.
     const int64_t MBLK = std::max<int64_t>(4, ((96 * 1024) / (K * 4)) / 4 * 4);
@@ -215,11 +229,15 @@ void tiled(const W* wp, const float* xp, const float* sp, const float* bp, O* op
             for (int64_t t = t0; t < t1; ++t) {
                 const int64_t n0 = t * 4;
                 const W* wr[4];
-                for (int n = 0; n < 4; ++n) wr[n] = wp + std::min(n0 + n, N - 1) * K;
+                const float* gr[4];
+                for (int n = 0; n < 4; ++n) {
+                    wr[n] = wp + std::min(n0 + n, N - 1) * K;
+                    gr[n] = GS ? gp + std::min(n0 + n, N - 1) * (K / G) : nullptr;
+                }
                 for (int64_t m0 = mb; m0 < me; m0 += 4) {
                     const float* xr[4];
                     for (int m = 0; m < 4; ++m) xr[m] = xp + std::min(m0 + m, M - 1) * K;
-                    tile(wr, xr, K, r);
+                    tile<W, GS>(wr, xr, K, r, gr, G);
                     for (int n = 0; n < 4 && n0 + n < N; ++n)
                         for (int m = 0; m < 4 && m0 + m < M; ++m)
                             store(op + (m0 + m) * N + n0 + n, r[n * 4 + m], sp, bp, n0 + n);
@@ -270,7 +288,16 @@ torch::Tensor run(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor>
     const float* xp = as_float(x, M, K, xb);
     const float* sp = nullptr;
     const float* bp = nullptr;
-    if (scale.has_value()) {
+    const float* gp = nullptr;  // group scales [N, K / G] (int8 only)
+    int64_t G = 0;
+    if (scale.has_value() && scale->dim() == 2) {
+        TORCH_CHECK(scale->size(0) == N && scale->size(1) > 0 && K % scale->size(1) == 0 &&
+                    (K / scale->size(1)) % 16 == 0 && scale->scalar_type() == at::kFloat &&
+                    scale->is_contiguous(),
+                    "group scales: fp32 [N, K / G], contiguous, G a multiple of 16");
+        gp = scale->data_ptr<float>();
+        G = K / scale->size(1);
+    } else if (scale.has_value()) {
         TORCH_CHECK(scale->numel() == N, "scale must have one entry per output row");
         sp = as_float(*scale, 1, N, sb);
     }
@@ -281,9 +308,9 @@ torch::Tensor run(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor>
     torch::Tensor out = torch::empty({M, N}, x.options());
     auto with_out = [&](auto* wp) {
         if (x.scalar_type() == at::kFloat)
-            body(wp, xp, sp, bp, out.data_ptr<float>(), M, K, N);
+            body(wp, xp, sp, bp, out.data_ptr<float>(), M, K, N, gp, G);
         else
-            body(wp, xp, sp, bp, out.data_ptr<at::BFloat16>(), M, K, N);
+            body(wp, xp, sp, bp, out.data_ptr<at::BFloat16>(), M, K, N, gp, G);
     };
     if (int8)
         with_out(w.data_ptr<int8_t>());
@@ -329,8 +356,16 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor
 #endif
     return run(x, w, scale, bias, [](auto* wp, const float* xp, const float* sp,
                                      const float* bp, auto* op, int64_t M, int64_t K,
-                                     int64_t N) {
+                                     int64_t N, const float* gp, int64_t G) {
         at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+            if (gp) {
+                switch (M) {
+                    case 3: rows<3, true>(wp, xp, sp, bp, op, n0, n1, K, N, gp, G); break;
+                    case 2: rows<2, true>(wp, xp, sp, bp, op, n0, n1, K, N, gp, G); break;
+                    default: rows<1, true>(wp, xp, sp, bp, op, n0, n1, K, N, gp, G); break;
+                }
+                return;
+            }
             switch (M) {
                 case 3: rows<3>(wp, xp, sp, bp, op, n0, n1, K, N); break;
                 case 2: rows<2>(wp, xp, sp, bp, op, n0, n1, K, N); break;
@@ -344,7 +379,12 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
                            c10::optional<torch::Tensor> bias) {
     return run(x, w, scale, bias, [](auto* wp, const float* xp, const float* sp,
                                      const float* bp, auto* op, int64_t M, int64_t K,
-                                     int64_t N) { tiled(wp, xp, sp, bp, op, M, K, N); });
+                                     int64_t N, const float* gp, int64_t G) {
+        if (gp)
+            tiled<true>(wp, xp, sp, bp, op, M, K, N, gp, G);
+        else
+            tiled<false>(wp, xp, sp, bp, op, M, K, N, gp, G);
+    });
 }
 
 }  // namespace narrow_linear
@@ -361,7 +401,11 @@ BINDINGS = r"""
 
 
 def reference(x, w, scale, bias):
-    """fp32 math, scale and bias applied to the sum, one rounding to x's dtype."""
+    """fp32 math, scale and bias applied to the sum (group scales [N, K / G]: to the weights),
+    one rounding to x's dtype."""
+    if scale is not None and scale.dim() == 2:
+        wg = w.float().view(w.shape[0], scale.shape[1], -1) * scale.float()[:, :, None]
+        w, scale = wg.view(w.shape), None
     y = torch.nn.functional.linear(x.float(), w.float())
     if scale is not None:
         y = y * scale.float()
@@ -393,4 +437,19 @@ def check(ops) -> bool:
                         return False
                     if not torch.allclose(got.float(), ref, rtol=1e-2, atol=1e-2):
                         return False
+    return _check_group_scales(ops, g)
+
+
+def _check_group_scales(ops, g) -> bool:
+    """int8 weights with one scale per group of G weights (G = 16, 32, 48): both ops."""
+    for m, n, k, group in ((1, 40, 96, 32), (3, 9, 80, 16), (6, 13, 96, 48), (17, 70, 160, 32)):
+        for xdt in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k, generator=g, dtype=torch.float32).to(xdt)
+            w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            scale = torch.rand(n, k // group, generator=g, dtype=torch.float32) / 64
+            ref = reference(x, w, scale, None).float()
+            for op in [ops.tiled_linear] + ([ops.gemv] if m <= 3 else []):
+                got = op(x, w, scale, None)
+                if got.shape != ref.shape or not torch.allclose(got.float(), ref, 1e-2, 1e-2):
+                    return False
     return True

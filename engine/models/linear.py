@@ -96,9 +96,10 @@ class Linear(nn.Linear):
         self.register_buffer("input_scale", None)
         self.scheme = scheme
 
-    def quantize_int8(self) -> None:
-        """Replace the weight by int8 + per-channel scales (engine.quantization)."""
-        self._replace_weight("int8", *quantization.quantize_int8(self.weight.data))
+    def quantize_int8(self, group: int = 0) -> None:
+        """Replace the weight by int8 + per-channel scales (engine.quantization), or one scale
+        per `group` weights of a row (the CPU head)."""
+        self._replace_weight("int8", *quantization.quantize_int8(self.weight.data, group=group))
 
     def quantize_fp8(self, activations: bool) -> None:
         """Replace the weight by FP8 e4m3 + per-channel scales; `activations`: W8A8."""
@@ -148,6 +149,9 @@ class Linear(nn.Linear):
             w = quantization.dequantize_int8(self.qweight, self.wscale)
             bias = None if self.bias is None else widen(self.bias)
             return F.linear(widen(x), w, bias).to(x.dtype)
+        if self.wscale.dim() == 2:  # group scales: dequantize (not a decode path off CPU)
+            w = quantization.dequantize_int8(self.qweight, self.wscale).to(x.dtype)
+            return F.linear(x, w, self.bias)
         # GPU or other dtypes: int8 values are exact in any float dtype; scale the product.
         y = F.linear(x, self.qweight.to(x.dtype)) * self.wscale.to(x.dtype)
         return y if self.bias is None else y + self.bias

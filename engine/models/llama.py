@@ -25,6 +25,8 @@ from engine.quantization.fp8 import FP8Tokens
 # save per-op overhead, which matters for decode; the scalar loops lose to torch's vectorised
 # ops on prefill-sized inputs.
 FUSED_MAX_ROWS = 64
+# int8 heads (CPU): one scale per this many weights of a row, as GGUF's Q8_0.
+HEAD_INT8_GROUP = 32
 
 
 def _fused(ops, rows: int):
@@ -203,11 +205,12 @@ class CausalLM(nn.Module):
     def quantize(self, method: str | None) -> int:
         """Quantize the decoder layers' projections (`method`: one of
         engine.quantization.RESOLVED; the embeddings stay exact); on CPU the int8 layers use
-        the compiled kernels when they are available, and with them the head is int8 too (as
-        a GGUF Q8_0 file's is): at batch 1 the head is a fifth of a small model's bytes a step
-        (SmolLM2: 57 of 164 MB), and the int8 GEMV reads half of them. Elsewhere the head stays
-        exact (a GPU would dequantize it every call). Returns how many decoder projections were
-        quantized (an FP8 checkpoint's layers already are and do not count)."""
+        the compiled kernels when they are available, and with them the head is int8 too, in
+        groups of 32 (as a GGUF Q8_0 file's): at batch 1 the head is a third of a small int8
+        model's bytes a step (SmolLM2: 57 of 164 MB with a bf16 head), and int8 halves them.
+        Elsewhere the head stays exact (a GPU would dequantize it every call). Returns how many
+        decoder projections were quantized (an FP8 checkpoint's layers already are and do not
+        count)."""
         self._decode_stack = None
         n = quantize_linears(self.model.layers, method)
         if not n or self.model.norm.weight.device.type != "cpu":
@@ -216,7 +219,10 @@ class CausalLM(nn.Module):
         if ops is None or ops.tiled_linear is None:
             return n
         if quantization.validate(method) == "int8" and type(self.lm_head) is Linear:
-            self.lm_head.quantize_int8()  # a tied head gets its own int8 copy
+            # One scale per 32 weights of a row (GGUF Q8_0's): per-row scales cost SmolLM2
+            # 60x bf16's KL on the head alone. A tied head gets its own int8 copy.
+            k = self.lm_head.in_features
+            self.lm_head.quantize_int8(group=HEAD_INT8_GROUP if k % HEAD_INT8_GROUP == 0 else 0)
         for m in self.modules():
             if isinstance(m, Linear) and m.scheme == "int8":
                 m.int8_ops = ops
