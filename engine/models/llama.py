@@ -16,7 +16,8 @@ from torch import nn
 from engine import kernels, quantization
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.models import decode_stack
+from engine.models.decode_stack import build as build_decode_stack
+from engine.models.decode_stack import rows_qualify
 from engine.models.linear import Linear, cpu_has_native_bf16_gemm, quantize_linears
 from engine.models.rope import rope_tables, rotate_half
 from engine.quantization.fp8 import FP8Tokens
@@ -272,7 +273,7 @@ class CausalLM(nn.Module):
             # HF casts the fp32 tables to the activation dtype before use; so do we (the
             # fused RoPE does that cast itself).
             cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
-        stack = self._stack() if decode_stack.rows_qualify(input_ids.shape[0]) else None
+        stack = self._stack() if rows_qualify(input_ids.shape[0]) else None
         args = None
         if stack is not None and hasattr(backend, "stack_args"):
             args = backend.stack_args(cache, x.dtype, input_ids.shape[0])
@@ -289,7 +290,7 @@ class CausalLM(nn.Module):
         """The C++ decode loop for this model's current configuration, built on first use (the
         kernel routing and quantization are set after construction; changing either resets it)."""
         if self._decode_stack is None:
-            self._decode_stack = (True, decode_stack.build(self))
+            self._decode_stack = (True, build_decode_stack(self))
         return self._decode_stack[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
