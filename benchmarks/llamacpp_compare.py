@@ -126,16 +126,24 @@ class LlamaServer:
                 self.proc.wait()
         self.log.close()
 
-    def greedy(self, ids: list[int], n: int) -> list[int]:
-        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1}
-        body |= {"ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+    def _complete(self, body: dict) -> dict:
         req = urllib.request.Request(
             self.url + "/completion",
-            data=json.dumps(body).encode(),
+            data=json.dumps(body | {"cache_prompt": False, "temperature": 0.0}).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=600) as r:
-            return list(json.loads(r.read())["tokens"])
+            return json.loads(r.read())
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        body = {"prompt": ids, "n_predict": n, "top_k": 1, "ignore_eos": True}
+        return list(self._complete(body | {"return_tokens": True})["tokens"])
+
+    def top2(self, ids: list[int]) -> list[tuple[int, float]]:
+        """llama.cpp's two likeliest next tokens after `ids`, with their logprobs."""
+        body = {"prompt": ids, "n_predict": 1, "n_probs": 2, "ignore_eos": True}
+        probs = self._complete(body)["completion_probabilities"][0]["top_logprobs"]
+        return [(p["id"], p["logprob"]) for p in probs]
 
 
 def _free_port() -> int:
@@ -158,11 +166,17 @@ def tandem_llm(weights: Weights, quantization: str | None = None):
     return LLM(str(weights.hf_dir), **settings)
 
 
-def tandem_decode(llm, ids: list[int], tokens: int) -> tuple[float, list[int]]:
-    """Batch-1 greedy decode tokens/s (after the first token) and the tokens."""
+def tandem_decode(llm, ids: list[int], tokens: int, mask_eos: bool = False):
+    """Batch-1 greedy decode tokens/s (after the first token) and the tokens. `mask_eos`:
+    EOS can never be sampled (`min_tokens`), which is what llama-server's `ignore_eos` does
+    (it biases end-of-generation tokens to -inf); tandem's `ignore_eos` only keeps going."""
     from engine.protocol import SamplingParams
 
-    greedy = SamplingParams(max_tokens=tokens + 1, temperature=0.0, ignore_eos=True)
+    n = tokens + 1
+    # min_tokens masks EOS only when ignore_eos is off (engine/sampler.py): masked for all n.
+    greedy = SamplingParams(
+        max_tokens=n, temperature=0.0, ignore_eos=not mask_eos, min_tokens=n if mask_eos else 0
+    )
     out = llm.generate([ids], greedy)[0]
     return 1.0 / out.tpot, list(out.token_ids)
 
@@ -230,18 +244,30 @@ def decode_section(args, layout, weights, quant: str | None) -> dict:
 
 
 def agreement_check(args, layout, gguf: Path, llm) -> dict:
-    """Greedy tokens of both engines on the chat prompts, compared position by position."""
-    pairs = []
-    with LlamaServer(layout, gguf, args.threads, 1, 4096) as server:
+    """Greedy tokens of both engines on the chat prompts, compared position by position.
+    One thread each: nothing here is timed, and on a shared 2-core box two spinning threads
+    can stall for a scheduler slice at every barrier (seconds a token)."""
+    pairs, gaps = [], []
+    set_threads(1)
+    with LlamaServer(layout, gguf, 1, 1, 4096) as server:
         for prompt in CHAT_PROMPTS[: args.agree_prompts]:
             ids = chat_ids(llm, prompt)
             theirs = server.greedy(ids, args.tokens)
-            ours = tandem_decode(llm, ids, args.tokens - 1)[1]
+            ours = tandem_decode(llm, ids, args.tokens - 1, mask_eos=True)[1]
             pairs.append((ours, theirs))
-    result = agreement(pairs)
+            div = agreement([(ours, theirs)])["first_divergence"][0]
+            if div is not None and div < min(len(ours), len(theirs)):
+                # How near a tie llama.cpp saw where the two first part, and whether
+                # tandem's token was its runner-up.
+                top = server.top2(ids + theirs[:div])
+                gaps.append({"at": div, "llama_top2": top, "tandem_token": ours[div]})
+    set_threads(args.threads)
+    result = agreement(pairs) | {"divergences": gaps, "threads": 1}
+    margins = [round(g["llama_top2"][0][1] - g["llama_top2"][1][1], 3) for g in gaps]
     log(
         f"agreement ({gguf.name}): {result['equal']}/{result['total']} tokens equal, "
-        f"first divergence per prompt {result['first_divergence']}"
+        f"first divergence per prompt {result['first_divergence']}; llama.cpp's top-2 "
+        f"logprob gap there {margins}"
     )
     return result
 
