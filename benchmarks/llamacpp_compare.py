@@ -61,6 +61,7 @@ from benchmarks.llamacpp_report import (  # noqa: E402
     agreement,
     format_table,
     parse_llama_bench,
+    plot,
     round_line,
     summarize_section,
 )
@@ -438,6 +439,7 @@ def main(argv=None) -> int:
     print(format_table(result["sections"]))
     if args.json:
         write_json(args.json, result)
+        plot(result["sections"], str(Path(args.json).with_suffix(".png")))  # beside the JSON
     return 0
 
 

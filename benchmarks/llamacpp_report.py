@@ -99,3 +99,33 @@ def format_table(sections: dict) -> str:
             f"{per_round} |"
         )
     return "\n".join(lines)
+
+
+def plot(sections: dict, path: str) -> None:
+    """Per-round tandem / llama.cpp ratios of each section as bars, a line at parity (1.0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in SECTIONS if n in sections]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.8 / max(len(sections[n]["rounds"]) for n in names)
+    for i, name in enumerate(names):
+        for r, row in enumerate(sections[name]["rounds"]):
+            ax.bar(i + (r - 1) * width, row["ratio"], width, color=f"C{r}", label=f"round {r + 1}")
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles[: len(set(labels))], labels[: len(set(labels))], fontsize=8)
+    ax.axhline(1.0, color="k", lw=1)
+    ax.set_xticks(range(len(names)), [LABELS[n][0] for n in names], fontsize=7, rotation=12)
+    ax.set_ylabel("tandem / llama.cpp")
+    ax.set_title("SmolLM2-135M-Instruct, 2 threads each (higher is better for tandem)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # re-plot a saved run: python llamacpp_report.py RESULT.json OUT.png
+    import sys
+
+    plot(json.load(open(sys.argv[1]))["sections"], sys.argv[2])

@@ -16,6 +16,7 @@ from benchmarks.llamacpp_report import (
     agreement,
     format_table,
     parse_llama_bench,
+    plot,
     round_line,
     summarize_section,
 )
@@ -110,6 +111,13 @@ def test_summary_and_table():
     assert "tandem/llama.cpp 0.50 (load 1.00)" in round_line("decode", 1, _rounds()[0], "tok/s")
     with pytest.raises(ValueError):
         summarize_section([])
+
+
+def test_plot_draws_every_section_as_a_png(tmp_path):
+    sections = {"decode": {"rounds": _rounds()}, "int8": {"rounds": _rounds()[:1]}}
+    out = tmp_path / "ratios.png"
+    plot(sections, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
 
 
 def test_only_flag_accepts_sections_and_rejects_others(capsys):
