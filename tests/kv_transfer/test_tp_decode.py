@@ -61,7 +61,9 @@ def _check_moved(d: Decode, p, prompts, before: int, recomputed: int) -> None:
     _wait_free(p, d.server)
 
 
-@pytest.mark.parametrize(("ptp", "seed"), [(1, 11), (2, 12)])
+# P1 -> D2 here; P2 -> D2 is served end to end by tests/e2e/test_serve_tp.py (the suite's
+# 25 minutes leave no room for both).
+@pytest.mark.parametrize(("ptp", "seed"), [(1, 11)])
 def test_tp2_decode_reads_its_heads_on_every_rank_token_exact(llama, d2, ptp, seed):
     p = _prefill(llama, ptp)
     try:

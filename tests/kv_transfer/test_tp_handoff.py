@@ -164,7 +164,8 @@ def _blocks(prompts, block_size=16) -> int:
     return sum(-(-len(p) // block_size) for p in prompts)
 
 
-@pytest.mark.parametrize(("tp", "seed"), [(1, 1), (2, 2), (4, 3)])
+# TP 1 -> 1 is every other hand-off test's case; here the TP senders.
+@pytest.mark.parametrize(("tp", "seed"), [(2, 2), (4, 3)])
 def test_tp_prefill_to_tp1_decode_is_token_exact_and_moves_the_kv(llama, d1, tp, seed):
     p = _prefill(llama, tp)
     try:
