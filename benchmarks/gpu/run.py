@@ -2,10 +2,12 @@
 budget; one JSON file per section plus summary.json under --out (8 files at most).
 
 Sections: env (card, ceilings) -> parity (transformers on the device) -> decode (MBU, CUDA
-graphs) -> prefill (MFU, FP8) -> nixl (VRAM to VRAM between processes) -> tests (the GPU-marked
-and CUDA-relevant tests under pytest). A section that fails or runs out of time is recorded as
-such and the run goes on. `--device cpu --quick` runs the same code on small shapes: that dry
-run is a test in `make test`, so no GPU minute is spent on a script that does not run.
+graphs) -> prefill (MFU, FP8) -> nixl (VRAM to VRAM between processes) -> kv_tier (the host KV
+tier's demote/promote against a pinned copy) -> tests (the GPU-marked and CUDA-relevant tests
+under pytest); nixl_probe (UCX's transport per setting) only when named with --only. A section
+that fails or runs out of time is recorded as such and the run goes on. `--device cpu --quick`
+runs the same code on small shapes: that dry run is a test in `make test`, so no GPU minute is
+spent on a script that does not run.
 
     bash benchmarks/gpu/run.sh                       # on the GPU machine, OUT=... for the folder
     bash benchmarks/gpu/run.sh --device cpu --quick  # here
@@ -26,7 +28,9 @@ from benchmarks.gpu.common import REPO, log, write_json
 
 # (name, seconds allowed on the GPU); the budget below caps their sum.
 SECTIONS = [("env", 45), ("parity", 100), ("decode", 110), ("prefill", 90), ("nixl", 60),
-            ("tests", 150), ("nixl_probe", 80)]  # fmt: skip
+            ("kv_tier", 60), ("tests", 170)]  # fmt: skip
+# Diagnostics run only when named (`--only nixl_probe`): 8 files at most come back.
+EXTRA_SECTIONS = [("nixl_probe", 80)]
 # Which UCX transport carries VRAM reads between two processes decides NIXL's bandwidth: the
 # probe reads small caches with UCX logging on, as tandem runs (cuda_ipc's get allowed,
 # kv_transfer.nixl.allow_cuda_ipc_reads), then with it off as UCX has it without NVLink
@@ -40,7 +44,8 @@ TEST_FILES = [
     "tests/engine/test_triton_attention.py", "tests/engine/test_triton_fused.py",
     "tests/engine/test_cuda_graphs.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/workers/test_handoff.py",
-    "tests/engine/test_parity_hf.py",
+    "tests/engine/test_parity_hf.py", "tests/engine/test_kv_host_cache.py",
+    "tests/workers/test_prefix_pull.py",
 ]  # fmt: skip
 
 
@@ -141,6 +146,7 @@ def headline(out: Path) -> dict:
 
     env, dec, pre = load("env.json"), load("decode.json"), load("prefill.json")
     nx, par, tests = load("nixl.json"), load("parity.json"), load("tests.json")
+    tier = load("kv_tier.json")
     rows = {r["batch"]: r for r in dec.get("rows", [])}
     return {
         "card": (env.get("gpu") or {}).get("name"),
@@ -152,6 +158,8 @@ def headline(out: Path) -> dict:
         "prefill_mfu": [r.get("mfu") for r in (pre.get("bf16") or {}).get("rows", [])],
         "fp8_speedup": pre.get("fp8_speedup"),
         "nixl_ratio": nx.get("ratio"),
+        "kv_tier_vs_pinned_copy": {k: tier.get(f"{k}_vs_copy") for k in ("demote", "promote")},
+        "kv_tier_promote_overlap": (tier.get("promote_overlap") or {}).get("overlap"),
         "tests": {k: tests.get(k) for k in ("passed", "failed", "skipped")},
     }
 
@@ -162,13 +170,14 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu")
     ap.add_argument("--budget", type=float, default=400, help="seconds for all sections")
-    ap.add_argument("--only", nargs="+", choices=[s for s, _ in SECTIONS])
+    ap.add_argument("--only", nargs="+", choices=[s for s, _ in SECTIONS + EXTRA_SECTIONS])
     args = ap.parse_args(argv)
     args.out = Path(args.out).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     start, results = time.perf_counter(), {}
-    for name, limit in SECTIONS:
-        if args.only and name not in args.only:
+    for name, limit in SECTIONS + EXTRA_SECTIONS:
+        wanted = name in args.only if args.only else (name, limit) in SECTIONS
+        if not wanted:
             continue
         left = args.budget - (time.perf_counter() - start)
         if left < 10:

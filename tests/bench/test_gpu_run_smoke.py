@@ -34,7 +34,7 @@ def _load(out: Path, name: str) -> dict:
 def test_every_section_runs_and_writes_its_file(dry_run):
     summary = _load(dry_run, "summary.json")
     assert {k: v["status"] for k, v in summary["sections"].items()} == {
-        s: "ok" for s in ("env", "parity", "decode", "prefill", "nixl", "tests", "nixl_probe")
+        s: "ok" for s in ("env", "parity", "decode", "prefill", "nixl", "kv_tier", "tests")
     }
     files = sorted(p.name for p in dry_run.iterdir())
     assert len(files) <= 8, files
@@ -53,6 +53,8 @@ def test_the_results_hold_what_the_readme_quotes(dry_run):
     assert prefill["fp8"]["layout"] == "fp8" and prefill["fp8_speedup"]
     nixl = _load(dry_run, "nixl.json")
     assert nixl["byte_exact"] and nixl["mem_type"] == "DRAM"
+    tier = _load(dry_run, "kv_tier.json")
+    assert tier["byte_exact"] and tier["every_block_freed"] and tier["promote_gb_per_s"] > 0
     tests = _load(dry_run, "tests.json")
     # On a CPU every GPU-marked test skips, each with its reason on record.
     assert tests["skipped"] >= 3 and tests["failed"] == 0
