@@ -17,6 +17,8 @@ padded path runs eagerly on a CPU in the tests.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from engine.model_runner import AttentionMetadata, forward_context
@@ -100,7 +102,21 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first (the pool is sized by the first capture)."""
+        """Capture every bucket, largest first (the pool is sized by the first capture).
+
+        The garbage collector is held off while capturing: a collection that frees pinned host
+        memory (an earlier engine's host KV tier) makes the host allocator query its events,
+        which a capturing stream forbids; the capture then fails (seen on an H100)."""
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _capture_all(self) -> None:
         for bucket in reversed(self.sizes):
             self.batch.slots[:bucket].fill_(-1)  # all padding: capture writes nothing
             self.batch.lens[:bucket].zero_()

@@ -166,9 +166,9 @@ def test_demoted_then_promoted_block_is_byte_identical(model, kv_dtype):
     host.synchronize()
     for h, (data, scales) in zip(hashes, snap, strict=True):
         slot = host._lru[h]
-        assert torch.equal(host.data[slot], data)
+        assert torch.equal(host.data[slot].to(data.device), data)  # the pool is host memory
         if scales is not None:
-            assert torch.equal(host.scales[slot], scales)
+            assert torch.equal(host.scales[slot].to(scales.device), scales)
     before = host.promotions
     out = llm.generate([prompt], GREEDY)[0]
     assert host.promotions - before == len(hashes)
