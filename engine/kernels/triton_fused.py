@@ -175,13 +175,43 @@ def _silu_mul_fp8_kernel(
         tl.store(q_ptr + row * INTER + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _silu_mul_fp8_row_kernel(gu_ptr, q_ptr, s_ptr, s_g, INTER, BLOCK: tl.constexpr):
+    # The whole row in registers: gate_up is read once (the chunked kernel reads it twice,
+    # which made it 1.5x slower than the bf16 silu_mul on an H100's 8k-token prefill).
+    row = tl.program_id(0)
+    dt = gu_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    m = cols < INTER
+    g = tl.load(gu_ptr + row * s_g + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * s_g + INTER + cols, mask=m, other=0.0).to(tl.float32)
+    p = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.where(m, tl.abs(p), 0.0), 0) / 448.0, 1e-12)
+    tl.store(s_ptr + row, scale)
+    yq = tl.minimum(tl.maximum(p / scale, -448.0), 448.0)
+    tl.store(q_ptr + row * INTER + cols, yq.to(q_ptr.dtype.element_ty), mask=m)
+
+
+# Rows up to this many products are quantized in one pass (64 values a thread at 16 warps);
+# longer rows take the chunked two-pass kernel.
+SINGLE_PASS_MAX = 32768
+
+
 def silu_mul_fp8(gate_up):
     """(q e4m3 [M, I], scale fp32 [M, 1]): quantize_fp8_tokens of silu_mul(gate_up)."""
     rows, two_i = gate_up.shape
     inter = two_i // 2
     q = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=gate_up.device)
-    if rows:
+    if not rows:
+        return q, scale
+    block = triton.next_power_of_2(inter)
+    if block <= SINGLE_PASS_MAX:
+        warps = max(4, min(16, block // 1024))
+        _silu_mul_fp8_row_kernel[(rows,)](
+            gate_up, q, scale, gate_up.stride(0), inter, BLOCK=block, num_warps=warps
+        )
+    else:
         _silu_mul_fp8_kernel[(rows,)](
             gate_up, q, scale, gate_up.stride(0), inter, BLOCK=1024, CHUNKS=triton.cdiv(inter, 1024)
         )

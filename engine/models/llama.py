@@ -19,7 +19,7 @@ from engine.kv_cache import KVCache
 from engine.models.decode_stack import build as build_decode_stack
 from engine.models.decode_stack import rows_qualify
 from engine.models.linear import Linear, cpu_has_native_bf16_gemm, quantize_linears
-from engine.models.rope import rope_tables, rotate_half
+from engine.models.rope import rope_tables, rotate
 from engine.quantization.fp8 import FP8Tokens
 
 # Steps of up to this many tokens use the fused elementwise ops (engine.kernels.fused): they
@@ -120,8 +120,8 @@ class Attention(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [tokens, heads, head_dim] (as `engine.models.rope.apply_rope`, for one tensor)."""
-    return x * cos + rotate_half(x) * sin
+    """RoPE on [tokens, heads, head_dim]: HF's `x * cos + rotate_half(x) * sin`, bit for bit."""
+    return rotate(x, cos, sin)
 
 
 class MLP(nn.Module):

@@ -34,7 +34,22 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x * cos + rotate_half(x) * sin`, bit for bit, without building rotate_half(x): each
+    product is rounded to x's dtype and then added, as there, and `a + (-b)` is exactly
+    `a - b`. Two fewer passes over x (no negation, no concatenation): on an H100's 8k-token
+    prefill they were a third of RoPE's time. x: [..., head_dim]; cos/sin broadcast to it."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    prod = torch.empty_like(out)
+    torch.mul(x[..., half:], sin[..., :half], out=prod[..., :half])
+    torch.mul(x[..., :half], sin[..., half:], out=prod[..., half:])
+    out[..., :half] -= prod[..., :half]
+    out[..., half:] += prod[..., half:]
+    return out
+
+
 def apply_rope(q, k, cos, sin):
     """q/k: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim] already in q's dtype."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    return rotate(q, cos, sin), rotate(k, cos, sin)

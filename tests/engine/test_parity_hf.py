@@ -135,3 +135,19 @@ def test_torch_reference_decode_matches_hf(make_tiny_model, arch):
     llm = LLM(path, dtype="float32", max_num_batched_tokens=48, enable_prefix_caching=False)
     llm.engine.backend._kernel = None
     _check(llm, path, _prompts(seed=3), MAX_TOKENS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_rotation_is_hfs_formula_bit_for_bit(dtype):
+    """`rope.rotate` skips building rotate_half(x) but must round exactly as HF's
+    `x * cos + rotate_half(x) * sin` does, on a strided view of the projection output."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from engine.models.rope import rotate
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        qkv = (torch.randn(37, 12, 128, generator=g) * 40).to(dtype)
+        x = qkv[:, :10]  # q and k heads of a fused projection: not contiguous
+        cos, sin = (torch.randn(37, 1, 128, generator=g).to(dtype) for _ in range(2))
+        assert torch.equal(rotate(x, cos, sin), x * cos + rotate_half(x) * sin)

@@ -87,7 +87,11 @@ def test_norm_with_fp8_quantization_equals_the_two_kernels(dtype, with_residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_with_fp8_quantization_equals_the_two_kernels(dtype):
+@pytest.mark.parametrize("single_pass", [True, False])
+def test_silu_mul_with_fp8_quantization_equals_the_two_kernels(dtype, single_pass, monkeypatch):
+    """Both kernels: the row in registers, and the chunked two passes for longer rows."""
+    if not single_pass:
+        monkeypatch.setattr(tf, "SINGLE_PASS_MAX", 0)
     gu = _randn(3, 2 * 2500, dtype=dtype) * 4  # 2500: two 1024-wide chunks and a tail
     q, scale = tf.silu_mul_fp8(gu)
     q_want, s_want = tf.quantize_fp8_tokens(tf.silu_mul(gu))
