@@ -49,7 +49,7 @@ class HostKVCache:
         self._pending: list[torch.cuda.Event] = []
         self._lru: OrderedDict[int, int] = OrderedDict()  # hash -> slot, oldest first
         self._tokens: list[tuple[int, ...]] = [()] * self.num_slots
-        self._free = list(range(self.num_slots))
+        self._free = self._all_slots()
         self._reserved: set[int] = set()  # hashes a running allocation is about to promote
         self.hit_blocks = self.query_blocks = self.hit_tokens = 0
         self.demotions = self.promotions = self.dropped = 0
@@ -57,6 +57,19 @@ class HostKVCache:
         bm.on_evict = self.demote
 
     # -- the pool ------------------------------------------------------------------------
+    def _all_slots(self) -> list[int]:
+        # Popped from the end: slots go out in descending order. BlockManager evicts a
+        # sequence's tail first, so its blocks land in ascending slots in chain order and a
+        # later promotion into fresh (ascending) device blocks is one copy (_runs).
+        return list(range(self.num_slots))
+
+    def clear(self) -> None:
+        """Drop every block the pool holds (told to the event sink as removed)."""
+        for h in self._lru:
+            self._event(REMOVED, h)
+        self._lru.clear()
+        self._free = self._all_slots()
+
     @property
     def num_used(self) -> int:
         return len(self._lru)
@@ -91,27 +104,31 @@ class HostKVCache:
         if slot is None:
             self.dropped += 1
             return
-        self._copy(self.data[slot], self.cache.data[block_id], self.scales, self.cache.scales,
-                   slot, block_id, to_host=True)  # fmt: skip
+        self._copy([(slot, block_id)], to_host=True)
         self._lru[block_hash] = slot
         self._tokens[slot] = token_ids
         self._event(STORED, block_hash)
         self.demotions += 1
         self.bytes_demoted += self.block_bytes
 
-    def _copy(self, dst, src, dst_scales, src_scales, dst_i, src_i, to_host: bool) -> None:
-        """One block's bytes and scales; ordered against the compute stream (module doc)."""
+    def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Blocks' bytes and scales, (destination, source) index pairs, host <- device when
+        `to_host`; ordered against the compute stream (module doc). Runs of consecutive
+        indices on both sides go as one copy, and the stream work is issued once for all: on
+        an H100, 512 promotions one block at a time were bound by the host's issue rate (26 GB/s
+        against 55 for one pinned copy) and hid little of the compute they should overlap."""
+        if not pairs:
+            return
+        pool, dev = (self.data, self.scales), (self.cache.data, self.cache.scales)
+        (dst, dst_scales), (src, src_scales) = (pool, dev) if to_host else (dev, pool)
+        runs = _runs(pairs)
         if self.stream is None:
-            dst.copy_(src)
-            if src_scales is not None:
-                dst_scales[dst_i].copy_(src_scales[src_i])
+            _copy_runs(runs, dst, src, dst_scales, src_scales, blocking=True)
             return
         compute = torch.cuda.current_stream(self.cache.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-            if src_scales is not None:
-                dst_scales[dst_i].copy_(src_scales[src_i], non_blocking=True)
+            _copy_runs(runs, dst, src, dst_scales, src_scales, blocking=False)
             event = torch.cuda.Event()
             event.record(self.stream)
         if to_host:
@@ -170,10 +187,8 @@ class HostKVCache:
             table, cached = self.bm.allocate(token_ids, use_cache, count)
         finally:
             self._reserved.clear()
-        for j, slot in enumerate(slots):
-            bid = table[device_blocks + j]
-            self._copy(self.cache.data[bid], self.data[slot], self.cache.scales, self.scales,
-                       bid, slot, to_host=False)  # fmt: skip
+        fresh = table[device_blocks : device_blocks + len(slots)]
+        self._copy(list(zip(fresh, slots, strict=True)), to_host=False)
         self.hit_blocks += len(slots)
         self.promotions += len(slots)
         self.bytes_promoted += len(slots) * self.block_bytes
@@ -195,9 +210,7 @@ class HostKVCache:
             blocks = self.bm.allocate_blocks(len(slots))
         finally:
             self._reserved.clear()
-        for bid, slot in zip(blocks, slots, strict=True):
-            self._copy(self.cache.data[bid], self.data[slot], self.cache.scales, self.scales,
-                       bid, slot, to_host=False)  # fmt: skip
+        self._copy(list(zip(blocks, slots, strict=True)), to_host=False)
         self.synchronize()
         self.promotions += len(slots)
         self.bytes_promoted += len(slots) * self.block_bytes
@@ -217,3 +230,21 @@ class HostKVCache:
             "host_used_blocks": self.num_used,
             "host_total_blocks": self.num_slots,
         }
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(dst start, src start, length) for each run of pairs consecutive on both sides."""
+    runs: list[list[int]] = []
+    for d, s in pairs:
+        if runs and d == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([d, s, 1])
+    return [tuple(r) for r in runs]
+
+
+def _copy_runs(runs, dst, src, dst_scales, src_scales, blocking: bool) -> None:
+    for d, s, n in runs:
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=not blocking)
+        if src_scales is not None:
+            dst_scales[d : d + n].copy_(src_scales[s : s + n], non_blocking=not blocking)

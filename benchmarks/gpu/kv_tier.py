@@ -60,7 +60,7 @@ def round_trip(cache, bm, host, n: int, seed: int, device) -> dict:
     reference = cache.data[:n].clone()
     sync(device)
     t0 = time.perf_counter()
-    for bid in range(n):
+    for bid in reversed(range(n)):  # tail first, as BlockManager evicts a freed sequence
         host.demote(bid, hashes[bid], chunks[bid])
     host.synchronize()
     sync(device)
@@ -76,8 +76,7 @@ def round_trip(cache, bm, host, n: int, seed: int, device) -> dict:
     )
     cache.data[:n].copy_(reference)
     bm.free(table)
-    host._lru.clear()  # the next repeat demotes the same hashes anew (a fresh pool)
-    host._free = list(range(host.num_slots))
+    host.clear()  # the next repeat demotes the same hashes anew
     return {"demote_s": t_demote, "promote_s": t_promote, "exact": exact}
 
 
@@ -96,7 +95,7 @@ def overlap(cache, bm, host, n: int, device) -> dict | None:
     t_compute = stats(timed(lambda: compute(iters), device, 3))["min"]
 
     def promote(with_compute: bool):
-        for bid in range(n):
+        for bid in reversed(range(n)):
             host.demote(bid, hashes[bid], chunks[bid])
         host.synchronize()
         sync(device)
@@ -108,8 +107,7 @@ def overlap(cache, bm, host, n: int, device) -> dict | None:
         sync(device)
         dt = time.perf_counter() - t0
         bm.free(table)
-        host._lru.clear()
-        host._free = list(range(host.num_slots))
+        host.clear()
         return dt
 
     t_promote = min(promote(False) for _ in range(3))

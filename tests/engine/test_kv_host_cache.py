@@ -306,3 +306,26 @@ def test_evictions_during_a_promotion_never_take_its_host_slots(model):
     again = llm.generate([prompt], GREEDY)[0]
     assert host.dropped > dropped and again.num_cached_tokens == 32
     assert again.token_ids == first.token_ids
+
+
+def test_blocks_demoted_together_come_back_in_one_copy_per_run(model):
+    """A freed prompt's blocks are demoted tail first into descending slots, so they sit in
+    chain order side by side and a promotion copies each run of consecutive blocks at once."""
+    from engine.kv_host_cache import _runs
+
+    assert _runs([(4, 0), (5, 1), (6, 2), (9, 3), (10, 4), (2, 7)]) == [
+        (4, 0, 3),
+        (9, 3, 2),
+        (2, 7, 1),
+    ]
+    llm, _ = _llm(model, 32, device_blocks=6)
+    host, runs = llm.engine.host_cache, []
+    copy = host._copy
+    host._copy = lambda pairs, to_host: (runs.append((_runs(pairs), to_host)), copy(pairs, to_host))
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 400) for _ in range(50)]  # 3 whole blocks cached
+    want = llm.generate([prompt], GREEDY)[0].token_ids
+    llm.generate([[rng.randrange(5, 400) for _ in range(80)]], GREEDY)  # evicts them
+    assert llm.generate([prompt], GREEDY)[0].token_ids == want
+    promotions = [r for r, to_host in runs if not to_host and r]
+    assert promotions == [[(promotions[0][0][0], promotions[0][0][1], 3)]]
