@@ -74,7 +74,9 @@ def routings(model):
         return apply
 
     if ops is None or ops.gemv is None:
-        raise SystemExit("engine.kernels' GEMV is not available on this CPU (AVX-512 needed)")
+        raise SystemExit(
+            "engine.kernels' GEMV is not available on this CPU (needs AVX-512 or AVX2+FMA)"
+        )
     return {
         "torch": use(None, None, False),
         "kernel": use(ops, ops, False),

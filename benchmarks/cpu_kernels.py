@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [1, 16, 64] if args.quick else [1, 2, 4, 16, 32, 64, 96, 128, 256, 512]
         result["gemm"] = bench_gemm(ops, rows, reps)
     else:
-        log("bf16 kernels not built (no AVX-512): skipping the GEMM section")
+        log("bf16 kernels not built (no AVX-512 or AVX2+FMA): skipping the GEMM section")
     log("paged decode attention: kernel vs gather reference, one layer")
     cases = [(16, 256)] if args.quick else [(1, 256), (16, 256), (16, 1024), (64, 256), (8, 2048)]
     result["attention"] = bench_attention(ops, cases, reps, bw)

@@ -1,13 +1,13 @@
 """CPU kernels in C++, compiled on first use: what the CPU reference path cannot do fast in torch.
 
 - `linear`: GEMV/GEMM for bf16 weights (CPUs without bf16 instructions) and int8 weights with
-  per-channel scales (weight-only quantization); AVX-512 only.
+  per-channel scales (weight-only quantization); AVX-512, or AVX2 + FMA on 8-lane vectors.
 - `paged_decode`: decode attention reading the paged KV cache in place (any x86/ARM CPU;
   AVX-512 intrinsics where available).
 - `fused`: residual add + RMSNorm, in-place RoPE, SiLU-and-multiply (fp32/bf16), keeping Hugging
   Face's rounding points so greedy parity holds.
 - `decode_stack`: a whole decode step (every layer) in one C++ call for 1-3 rows, made of the
-  ops above (AVX-512 only).
+  ops above (wherever `linear` builds).
 
 `ops()` compiles all of them as one extension (one compile of torch's headers, ~30-60 s the
 first time on a 2-core box, then cached on disk by torch's cpp_extension under
@@ -93,16 +93,26 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def cpu_has_avx512() -> bool:
-    """The AVX-512 subset the linear kernels are written for (AVX512F/BW/VL)."""
+def _cpu_flags() -> set[str]:
     try:
         text = open("/proc/cpuinfo").read()
     except OSError:
-        return False
+        return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return {"avx512f", "avx512bw", "avx512vl"} <= set(line.split(":", 1)[1].split())
-    return False
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_avx512() -> bool:
+    """The AVX-512 subset the wide linear kernels are written for (AVX512F/BW/VL)."""
+    return {"avx512f", "avx512bw", "avx512vl"} <= _cpu_flags()
+
+
+def cpu_has_linear_kernels() -> bool:
+    """The linear kernels (and the decode loop built on them) exist on this CPU: AVX-512, or
+    AVX2 with FMA (their 8-lane version)."""
+    return cpu_has_avx512() or {"avx2", "fma"} <= _cpu_flags()
 
 
 def source() -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 PER_LAYER = 12
 
 SOURCE = r"""
-#ifdef __AVX512F__
+#ifdef TANDEM_NARROW_LINEAR  // calls narrow_linear::gemv (engine.kernels.linear)
 namespace decode_stack {
 
 using OptT = c10::optional<torch::Tensor>;
@@ -80,7 +80,7 @@ class Stack {
 """
 
 BINDINGS = r"""
-#ifdef __AVX512F__
+#ifdef TANDEM_NARROW_LINEAR  // calls narrow_linear::gemv (engine.kernels.linear)
     pybind11::class_<decode_stack::Stack>(m, "DecodeStack")
         .def(pybind11::init<std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t,
                             int64_t, int64_t, double>())

@@ -1,4 +1,4 @@
-"""Matrix products for weights stored narrower than fp32, on x86 CPUs with AVX-512.
+"""Matrix products for weights stored narrower than fp32, on x86 CPUs with AVX-512 or AVX2+FMA.
 
 Two weight formats, one set of kernels (templated on the format):
 - bf16, for CPUs without AVX512-BF16/AMX: torch's bf16 GEMM there is oneDNN's emulation,
@@ -23,8 +23,13 @@ exact in fp32), up to summation order.
   rows; at hundreds of rows oneDNN's fp32 GEMM on widened copies is faster (see
   `engine.models.linear.Linear`).
 
+Two builds of the same kernels, picked by what the compiler targets (`-march=native`): 16-lane
+AVX-512 (masked tails, a 4x4 tile) and, on CPUs without it (AMD Zen 1-3, Intel client and
+pre-Skylake-SP parts), 8-lane AVX2 + FMA (tails through a zeroed copy, a 4x2 tile: AVX2 has 16
+vector registers). The argument handling and the tile driver are shared.
+
 Built by `engine.kernels` (one extension for all CPU kernels); not compiled where the compiler
-targets no AVX-512 (the sources are guarded by `__AVX512F__`).
+targets neither (the sources are guarded by `TANDEM_NARROW_LINEAR`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,25 @@ from __future__ import annotations
 import torch
 
 SOURCE = r"""
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define TANDEM_NARROW_LINEAR 1
 #include <immintrin.h>
 
 namespace narrow_linear {
+
+// The epilogue every kernel shares: scale (int8), bias, one rounding to the output dtype.
+template <typename O>
+inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n) {
+    if (sp) acc *= sp[n];
+    if (bp) acc += bp[n];
+    *op = static_cast<O>(acc);  // bf16: round to nearest even
+}
+
+// How far ahead each weight row of a tile is prefetched: four rows stream side by side, and
+// the hardware prefetcher alone left them at ~65% of a plain read's bandwidth (Intel Xeon).
+constexpr int kPrefetchBytes = 512;
+
+#ifdef __AVX512F__
 
 // 16 consecutive weights widened to fp32 (masked: the first popcount(k) of them, zeros after).
 inline __m512 widen16(const uint16_t* p) {  // bf16
@@ -53,18 +73,6 @@ inline __m512 widen16(const int8_t* p) {  // int8
 inline __m512 widen16(const int8_t* p, __mmask16 k) {
     __m128i b = _mm_maskz_loadu_epi8(k, p);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-}
-
-// How far ahead each weight row of a tile is prefetched: four rows stream side by side, and
-// the hardware prefetcher alone left them at ~65% of a plain read's bandwidth (Intel Xeon).
-constexpr int kPrefetchBytes = 512;
-
-// The epilogue every kernel shares: scale (int8), bias, one rounding to the output dtype.
-template <typename O>
-inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n) {
-    if (sp) acc *= sp[n];
-    if (bp) acc += bp[n];
-    *op = static_cast<O>(acc);  // bf16: round to nearest even
 }
 
 // Weight rows [n0, n1) x activation rows [0, MB), one weight row at a time in memory order:
@@ -181,6 +189,9 @@ inline __m512 hsum16(const __m512* v) {
                          _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
 
+// Activation rows per tile (the common `tiled` driver below steps by it).
+constexpr int kTileM = 4;
+
 // A 4x4 tile: 4 weight rows x 4 activation rows (fp32); r[n * 4 + m] = dot(w[n], x[m]).
 // Rows past the edge are pointed at a valid row by the caller and their results dropped.
 template <typename W, bool GS = false>
@@ -216,14 +227,118 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
     _mm512_storeu_ps(r, hsum16(acc));
 }
 
+#else
+// AVX2 + FMA (no AVX-512: AMD Zen 1-3, Intel before Skylake-SP and most client CPUs): the
+// same kernels on 8-lane vectors. Tails shorter than a vector go through a zeroed copy (AVX2
+// has no byte- or 16-bit-masked loads). 16 vector registers: the tile is 4 weight rows x 2
+// activation rows (8 accumulators, 4 widened weight vectors, one activation vector).
+inline __m256 widen8(const uint16_t* p) {  // bf16
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 widen8(const int8_t* p) {  // int8
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+template <typename W>
+inline __m256 widen8_tail(const W* p, int64_t n) {
+    W t[8] = {};
+    std::memcpy(t, p, n * sizeof(W));
+    return widen8(t);
+}
+inline __m256 load8_tail(const float* p, int64_t n) {
+    float t[8] = {};
+    std::memcpy(t, p, n * sizeof(float));
+    return _mm256_loadu_ps(t);
+}
+inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Weight rows [n0, n1) x activation rows [0, MB), one weight row at a time in memory order,
+// 16 weights a step into two accumulator chains per activation row (as the AVX-512 `rows`).
+template <int MB, bool GS = false, typename W, typename O>
+static void rows(const W* wp, const float* xp, const float* sp, const float* bp, O* op,
+                 int64_t n0, int64_t n1, int64_t K, int64_t N, const float* gp = nullptr,
+                 int64_t G = 0) {
+    const int64_t K16 = K - K % 16, K8 = K - K % 8;
+    for (int64_t n = n0; n < n1; ++n) {
+        const W* r = wp + n * K;
+        const float* g = GS ? gp + n * (K / G) : nullptr;
+        auto scaled = [&](__m256 v, int64_t k) {
+            if constexpr (GS) return _mm256_mul_ps(v, _mm256_set1_ps(g[k / G]));
+            else return v;
+        };
+        __m256 a[MB][2];
+        for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K16; k += 16) {
+            const __m256 w0 = scaled(widen8(r + k), k), w1 = scaled(widen8(r + k + 8), k + 8);
+            for (int m = 0; m < MB; ++m) {
+                a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + k), a[m][0]);
+                a[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + m * K + k + 8), a[m][1]);
+            }
+        }
+        if (K16 < K8) {
+            const __m256 w0 = scaled(widen8(r + K16), K16);
+            for (int m = 0; m < MB; ++m)
+                a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + K16), a[m][0]);
+        }
+        if (K8 < K) {
+            const __m256 w1 = scaled(widen8_tail(r + K8, K - K8), K8);
+            for (int m = 0; m < MB; ++m)
+                a[m][1] = _mm256_fmadd_ps(w1, load8_tail(xp + m * K + K8, K - K8), a[m][1]);
+        }
+        for (int m = 0; m < MB; ++m)
+            store(op + m * N + n, hsum8(_mm256_add_ps(a[m][0], a[m][1])), sp, bp, n);
+    }
+}
+
+constexpr int kTileM = 2;
+
+// A 4x2 tile: 4 weight rows x 2 activation rows (fp32); r[n * 2 + m] = dot(w[n], x[m]).
+template <typename W, bool GS = false>
+inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
+                 const float* const* g = nullptr, int64_t G = 0) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    const int64_t K8 = K - K % 8;
+    auto step = [&](const __m256* wv, __m256 x0, __m256 x1) {
+        for (int n = 0; n < 4; ++n) {
+            acc[n * 2] = _mm256_fmadd_ps(wv[n], x0, acc[n * 2]);
+            acc[n * 2 + 1] = _mm256_fmadd_ps(wv[n], x1, acc[n * 2 + 1]);
+        }
+    };
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 wv[4];
+        for (int n = 0; n < 4; ++n) {
+            _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + kPrefetchBytes, _MM_HINT_T0);
+            wv[n] = widen8(w[n] + k);
+            if constexpr (GS) wv[n] = _mm256_mul_ps(wv[n], _mm256_set1_ps(g[n][k / G]));
+        }
+        step(wv, _mm256_loadu_ps(x[0] + k), _mm256_loadu_ps(x[1] + k));
+    }
+    if (K8 < K) {
+        __m256 wv[4];
+        for (int n = 0; n < 4; ++n) {
+            wv[n] = widen8_tail(w[n] + K8, K - K8);
+            if constexpr (GS) wv[n] = _mm256_mul_ps(wv[n], _mm256_set1_ps(g[n][K8 / G]));
+        }
+        step(wv, load8_tail(x[0] + K8, K - K8), load8_tail(x[1] + K8, K - K8));
+    }
+    for (int i = 0; i < 8; ++i) r[i] = hsum8(acc[i]);
+}
+#endif  // __AVX512F__
+
 template <bool GS, typename W, typename O>
 void tiled(const W* wp, const float* xp, const float* sp, const float* bp, O* op, int64_t M,
            int64_t K, int64_t N, const float* gp, int64_t G) {
     const int64_t NT = (N + 3) / 4;
     // Activation rows in blocks that stay in L2 while a thread's weight tiles pass over them.
-    const int64_t MBLK = std::max<int64_t>(4, ((96 * 1024) / (K * 4)) / 4 * 4);
+    const int64_t MBLK = std::max<int64_t>(4, ((96 * 1024) / (K * 4)) / 4 * 4);  // of kTileM
     at::parallel_for(0, NT, 8, [&](int64_t t0, int64_t t1) {
-        float r[16];
+        float r[4 * kTileM];
         for (int64_t mb = 0; mb < M; mb += MBLK) {
             const int64_t me = std::min(M, mb + MBLK);
             for (int64_t t = t0; t < t1; ++t) {
@@ -234,13 +349,14 @@ void tiled(const W* wp, const float* xp, const float* sp, const float* bp, O* op
                     wr[n] = wp + std::min(n0 + n, N - 1) * K;
                     gr[n] = GS ? gp + std::min(n0 + n, N - 1) * (K / G) : nullptr;
                 }
-                for (int64_t m0 = mb; m0 < me; m0 += 4) {
-                    const float* xr[4];
-                    for (int m = 0; m < 4; ++m) xr[m] = xp + std::min(m0 + m, M - 1) * K;
+                for (int64_t m0 = mb; m0 < me; m0 += kTileM) {
+                    const float* xr[kTileM];
+                    for (int m = 0; m < kTileM; ++m) xr[m] = xp + std::min(m0 + m, M - 1) * K;
                     tile<W, GS>(wr, xr, K, r, gr, G);
                     for (int n = 0; n < 4 && n0 + n < N; ++n)
-                        for (int m = 0; m < 4 && m0 + m < M; ++m)
-                            store(op + (m0 + m) * N + n0 + n, r[n * 4 + m], sp, bp, n0 + n);
+                        for (int m = 0; m < kTileM && m0 + m < M; ++m)
+                            store(op + (m0 + m) * N + n0 + n, r[n * kTileM + m], sp, bp,
+                                  n0 + n);
                 }
             }
         }
@@ -392,7 +508,7 @@ torch::Tensor tiled_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch
 """
 
 BINDINGS = r"""
-#ifdef __AVX512F__
+#ifdef TANDEM_NARROW_LINEAR
     m.def("gemv", &narrow_linear::gemv, "bf16/int8-weight GEMV, 1-3 rows (fp32 accumulate)");
     m.def("tiled_linear", &narrow_linear::tiled_linear,
           "bf16/int8-weight GEMM in 4x4 tiles (fp32 accumulate)");

@@ -74,7 +74,7 @@ class Linear(nn.Linear):
     cpu_ops: CpuOps | None = None  # set when the bf16 routing is on
     widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
     gemv_only = False  # native bf16 GEMM: only the GEMV rows leave torch (see `forward`)
-    int8_ops: CpuOps | None = None  # set for int8 weights on a CPU with AVX-512
+    int8_ops: CpuOps | None = None  # set for int8 weights on a CPU with the kernels
     # After quantization: buffers qweight (int8 or e4m3 [N, K]) and wscale (fp32 [N], or
     # [N, ceil(K / block_k)] for block-wise FP8); weight is None. scheme: None, "int8", "fp8".
     scheme: str | None = None

@@ -18,7 +18,7 @@ from engine.protocol import SamplingParams
 OPS = kernels.ops()
 needs_stack = pytest.mark.skipif(
     OPS is None or OPS.decode_stack is None,
-    reason="the decode loop needs the AVX-512 CPU kernels (not buildable on this CPU)",
+    reason="the decode loop needs the linear CPU kernels (AVX-512 or AVX2+FMA; none here)",
 )
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land", "1 2 3 4 5 6 7 8 9 10 11"]
 

@@ -14,8 +14,8 @@ from engine.quantization import dequantize_int8, quantize_int8, validate
 
 OPS = kernels.ops()
 needs_kernels = pytest.mark.skipif(
-    kernels.unavailable_reason() is not None or not kernels.cpu_has_avx512(),
-    reason="the int8 kernels need AVX-512 and a C++ toolchain",
+    kernels.unavailable_reason() is not None or not kernels.cpu_has_linear_kernels(),
+    reason="the int8 kernels need AVX-512 or AVX2+FMA and a C++ toolchain",
 )
 
 
