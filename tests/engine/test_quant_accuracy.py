@@ -1,5 +1,5 @@
 """Accuracy of every quantization mode against the fp32 engine on trained (peaked) tiny
-checkpoints, all four archs: the quantization issue's acceptance bounds where the measurements
+checkpoints (llama and qwen3 here, all four archs in the benchmark; see TESTED_ARCHS): the quantization issue's acceptance bounds where the measurements
 meet them, and bounds set from the measurements (with a margin) where they do not.
 
 Metrics come from benchmarks/quant_accuracy.py's `measure_arch` (the same numbers its table
@@ -63,7 +63,14 @@ COS_MEAN = {"int8": BOUNDS["cos_mean"], "fp8-weight-only": 0.997, "fp8": 0.995}
 TOP1_ALL = {"int8": ISSUE_TOP1, "fp8-weight-only": 0.97, "fp8": 0.96}
 KL_RATIO = {"int8": BOUNDS["kl_ratio"], "fp8-weight-only": 50.0, "fp8": 90.0}
 
-CASES = [(arch, mode) for arch in ARCHS for mode in QUANT_MODES]
+# Two of the four archs here (the benchmark measures all four, and its table above shows them
+# within 1e-5 of each other in cosine): llama, and qwen3 whose q/k norms put a quantized
+# projection's error through another op. mistral is llama's layer with a sliding window and
+# qwen2 adds biases that quantization leaves in full precision; their quantized paths are the
+# same Linear layers (tests/engine/test_quantization.py). Each arch costs ~60-80 s of the suite.
+TESTED_ARCHS = ("llama", "qwen3")
+assert set(TESTED_ARCHS) <= set(ARCHS)
+CASES = [(arch, mode) for arch in TESTED_ARCHS for mode in QUANT_MODES]
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +114,14 @@ def test_kl_within_bound_of_bf16(metrics, arch, mode):
     assert m[mode]["kl_ratio"] <= KL_RATIO[mode]
 
 
-@pytest.mark.parametrize(("arch", "mode"), [(a, m) for a in ARCHS for m in (*QUANT_MODES, DISAGG)])
+@pytest.mark.parametrize(
+    ("arch", "mode"), [(a, m) for a in TESTED_ARCHS for m in (*QUANT_MODES, DISAGG)]
+)
 def test_greedy_agreement(metrics, arch, mode):
     assert metrics(arch)[mode]["greedy"] >= ISSUE_GREEDY
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TESTED_ARCHS)
 def test_quantization_really_happened(metrics, arch):
     m = metrics(arch)
     fp8, wo, int8 = m["fp8"], m["fp8-weight-only"], m["int8"]
