@@ -35,8 +35,7 @@ def make_tier(device: torch.device, quick: bool, blocks: int):
     spec = KVCacheSpec(model="LlamaForCausalLM", dtype=torch.bfloat16,
                        **(QUICK_KV if quick else LLAMA3_8B_KV))  # fmt: skip
     cache = KVCache(spec, 2 * blocks, device)
-    cache.data.copy_(torch.randint(-100, 100, cache.data.shape, device=device)
-                     .to(cache.data.dtype))  # fmt: skip
+    cache.data.uniform_(-100, 100)  # distinct bytes per block: a misplaced copy shows
     bm = BlockManager(2 * blocks, spec.block_size)
     host = HostKVCache(cache, bm, (blocks + 1) * KVCache.bytes_per_block(spec))
     return spec, cache, bm, host

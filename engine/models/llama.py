@@ -28,6 +28,7 @@ from engine.quantization.fp8 import FP8Tokens
 FUSED_MAX_ROWS = 64
 # int8 heads (CPU): one scale per this many weights of a row, as GGUF's Q8_0.
 HEAD_INT8_GROUP = 32
+UNBUILT = object()  # CausalLM._decode_stack before the stack is (re)built
 
 
 def _fused(ops, rows: int):
@@ -109,19 +110,14 @@ class Attention(nn.Module):
                 fused.rope_(qkv, cos, sin, h + kvh)
                 q, k = qkv[:, :h], qkv[:, h : h + kvh]
         elif self.qk_norm:
-            q = _rotate(self.q_norm(qkv[:, :h]), cos, sin)
-            k = _rotate(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
+            q = rotate(self.q_norm(qkv[:, :h]), cos, sin)
+            k = rotate(self.k_norm(qkv[:, h : h + kvh]), cos, sin)
         else:
             # q and k heads are adjacent: rotate them in one pass (same math, half the ops).
-            qk = _rotate(qkv[:, : h + kvh], cos, sin)
+            qk = rotate(qkv[:, : h + kvh], cos, sin)
             q, k = qk[:, :h], qk[:, h:]
         o = backend.forward(self.layer, q, k, v, cache)
         return self.o_proj(o.reshape(t, self.q_size))
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on [tokens, heads, head_dim]: HF's `x * cos + rotate_half(x) * sin`, bit for bit."""
-    return rotate(x, cos, sin)
 
 
 class MLP(nn.Module):
@@ -212,7 +208,7 @@ class CausalLM(nn.Module):
         Elsewhere the head stays exact (a GPU would dequantize it every call). Returns how many
         decoder projections were quantized (an FP8 checkpoint's layers already are and do not
         count)."""
-        self._decode_stack = None
+        self._decode_stack = UNBUILT
         n = quantize_linears(self.model.layers, method)
         if not n or self.model.norm.weight.device.type != "cpu":
             return n
@@ -240,7 +236,7 @@ class CausalLM(nn.Module):
     def use_fused_ops(self, ops) -> None:
         """The fused norm / RoPE / SiLU ops every layer uses (CPU kernels or the GPU's Triton
         ops; None: torch), and the GPU's one-pass FP8 activation quantization for W8A8."""
-        self._decode_stack = None
+        self._decode_stack = UNBUILT
         for m in self.modules():
             if isinstance(m, RMSNorm | Attention | MLP):
                 m.fused = ops
@@ -257,7 +253,7 @@ class CausalLM(nn.Module):
         """Route bf16 GEMMs through engine.kernels' bf16 ops and widened fp32 GEMMs (see
         `Linear`); without the kernels, only the widened fp32 path is used. `gemv_only` (a CPU
         with native bf16 GEMMs): the GEMV kernel for 1-3 rows, torch's bf16 GEMM otherwise."""
-        self._decode_stack = None
+        self._decode_stack = UNBUILT
         ops = kernels.ops() if enabled else None
         for m in self.modules():
             if isinstance(m, Linear):
@@ -284,14 +280,14 @@ class CausalLM(nn.Module):
             x, residual = layer(x, residual, cos, sin, cache, backend)
         return self.model.norm.add_forward(x, residual)[0]
 
-    _decode_stack = None  # (built for this configuration, the stack or None)
+    _decode_stack = UNBUILT  # then the stack for this configuration, or None (no stack)
 
     def _stack(self):
         """The C++ decode loop for this model's current configuration, built on first use (the
         kernel routing and quantization are set after construction; changing either resets it)."""
-        if self._decode_stack is None:
-            self._decode_stack = (True, build_decode_stack(self))
-        return self._decode_stack[1]
+        if self._decode_stack is UNBUILT:
+            self._decode_stack = build_decode_stack(self)
+        return self._decode_stack
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

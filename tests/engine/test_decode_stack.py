@@ -12,7 +12,7 @@ import torch
 
 from engine import kernels
 from engine.llm import LLM
-from engine.models import decode_stack, weight_arena
+from engine.models import decode_stack, llama, weight_arena
 from engine.protocol import SamplingParams
 
 OPS = kernels.ops()
@@ -38,11 +38,11 @@ def _generate(llm: LLM, prompts, stack_on: bool):
     model = llm.engine.model
     counter = None
     if stack_on:
-        model._decode_stack = None
+        model._decode_stack = llama.UNBUILT
         counter = CountingStack(model._stack())
-        model._decode_stack = (True, counter)
+        model._decode_stack = counter
     else:
-        model._decode_stack = (True, None)
+        model._decode_stack = None  # built as "no stack": the Python layers run
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     with torch.inference_mode():
         outs = llm.generate(prompts, sp)
