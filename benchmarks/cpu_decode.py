@@ -57,6 +57,7 @@ def step_bytes(model) -> int:
 def routings(model):
     """{name: function that switches every projection to it} for this engine's model."""
     from engine import kernels
+    from engine.models import llama
     from engine.models.linear import Linear
 
     ops = kernels.ops()
@@ -68,8 +69,8 @@ def routings(model):
                 m.cpu_ops, m.gemv_only, m.widen_fallback = cpu_ops, True, False
                 if m.scheme == "int8":
                     m.int8_ops = int8_ops
-            # None: rebuilt for the routing just set; (True, None): the Python layer loop.
-            model._decode_stack = None if stack else (True, None)
+            # UNBUILT: rebuilt for the routing just set; None: the Python layer loop.
+            model._decode_stack = llama.UNBUILT if stack else None
 
         return apply
 
