@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from engine.protocol import TokenMessage
 from engine.wire import WireError, decode, encode
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +80,8 @@ class DataPlane:
         self._task = asyncio.create_task(self._recv_loop(), name="router-token-sink")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for sock in self._push.values():
             sock.close(linger=0)
         self._push.clear()
@@ -93,7 +89,9 @@ class DataPlane:
             self._pull.close(linger=0)
             self._pull = None
         if self._ctx is not None:
-            self._ctx.term()
+            # destroy, not term: term() blocks the loop thread until every socket of the
+            # context is closed, so one socket left open would hang shutdown for good.
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     # ------------------------------------------------------------------ token sink

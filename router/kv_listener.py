@@ -25,6 +25,7 @@ from engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
 from engine.wire import WireError, decode, encode
 from router.directory import DOWN, WorkerInfo
 from router.kv_index import KVIndex
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +57,17 @@ class KVEventListener:
         self._task = asyncio.create_task(self._recv_loop(), name="router-kv-events")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._resyncing.values()) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        for t in [t for t in (self._task, *self._resyncing.values()) if t is not None]:
+            await cancel_and_wait(t)
         self._task = None
         self._resyncing.clear()
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
         if self._ctx is not None:
-            self._ctx.term()
+            # destroy closes a resync socket whose cancelled task has not run its `finally`
+            # yet (term() would block the loop that task needs, for good).
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     def sync(self, workers: list[WorkerInfo]) -> None:

@@ -60,7 +60,6 @@ business (its READ fails, and it recomputes or fails the request by its policy).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import struct
@@ -73,6 +72,7 @@ from router.dataplane import DataPlane
 from router.directory import DOWN, READY, WorkerDirectory, WorkerInfo
 from router.kv_index import KVIndex, PromptHashes
 from router.kv_listener import KVEventListener
+from router.tasks import cancel_and_wait
 
 LOCAL = "local"
 REMOTE = "remote"
@@ -397,11 +397,8 @@ class WorkerPool:
         self._refresh_task = asyncio.create_task(self._refresh_loop(), name="router-directory")
 
     async def stop(self) -> None:
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh_task
-            self._refresh_task = None
+        await cancel_and_wait(self._refresh_task)
+        self._refresh_task = None
         if self.kv_listener is not None:
             await self.kv_listener.stop()
 

@@ -37,7 +37,6 @@ logged, never raised: the controller being slow or gone must not touch serving.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
@@ -53,6 +52,7 @@ from router.metrics import RouterMetrics
 from router.planner_status import PlannerStatus
 from router.routing import LOCAL
 from router.signals import LatencySummary, LengthHistogram, WindowSignals
+from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -329,11 +329,8 @@ class SignalReporter:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="router-signals")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

@@ -4,7 +4,9 @@ thread so the synchronous `openai` client and raw aiohttp calls can drive it."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -58,12 +60,27 @@ class RouterHarness:
     def close(self) -> None:
         try:
             self.call(self.server.stop())
+        except TimeoutError:
+            self._report_hang()
+            raise
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=5)
             self.loop.close()
             for w in self.workers:
                 w.close()
+
+    def _report_hang(self) -> None:
+        """A stop that timed out: where the loop thread is, and what its tasks wait on."""
+        frame = sys._current_frames().get(self._thread.ident)
+        print("router loop thread stack:\n" + "".join(traceback.format_stack(frame)))
+        for task in asyncio.all_tasks(self.loop):
+            print(
+                f"task {task.get_name()}:",
+                "".join(traceback.format_stack(task.get_stack()[-1]))
+                if task.get_stack()
+                else "(no frame)",
+            )
 
 
 @pytest.fixture
