@@ -55,6 +55,19 @@ inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n)
 // the hardware prefetcher alone left them at ~65% of a plain read's bandwidth (Intel Xeon).
 constexpr int kPrefetchBytes = 512;
 
+// A row's group scales, taken chunk by chunk (`per` chunks of a vector's width to a group)
+// with a counter: `k / G` in the inner loop was an integer division per chunk, slower than the
+// chunk's loads and FMAs together (Zen 2: the int8 head at a fraction of the bf16 rate).
+struct GroupWalk {
+    int64_t at = 0, left, per;
+    explicit GroupWalk(int64_t per_) : left(per_), per(per_) {}
+    int64_t next() {  // the group of the next chunk
+        const int64_t g = at;
+        if (--left == 0) ++at, left = per;
+        return g;
+    }
+};
+
 #ifdef __AVX512F__
 
 // 16 consecutive weights widened to fp32 (masked: the first popcount(k) of them, zeros after).
@@ -94,26 +107,28 @@ static void rows(const W* wp, const float* xp, const float* sp, const float* bp,
     for (int64_t n = n0; n < n1; ++n) {
         const W* r = wp + n * K;
         const float* g = GS ? gp + n * (K / G) : nullptr;
-        auto scaled = [&](__m512 v, int64_t k) {
-            if constexpr (GS) return _mm512_mul_ps(v, _mm512_set1_ps(g[k / G]));
+        GroupWalk walk(GS ? G / 16 : 1);
+        auto scaled = [&](__m512 v) {  // chunks in order, 16 weights each
+            if constexpr (GS) return _mm512_mul_ps(v, _mm512_set1_ps(g[walk.next()]));
             else return v;
         };
         __m512 a[MB][2];
         for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm512_setzero_ps();
         for (int64_t k = 0; k < K32; k += 32) {
-            const __m512 w0 = scaled(widen16(r + k), k), w1 = scaled(widen16(r + k + 16), k + 16);
+            const __m512 w0 = scaled(widen16(r + k));
+            const __m512 w1 = scaled(widen16(r + k + 16));
             for (int m = 0; m < MB; ++m) {
                 a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + k), a[m][0]);
                 a[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + m * K + k + 16), a[m][1]);
             }
         }
         if (K32 < K16) {
-            const __m512 w0 = scaled(widen16(r + K32), K32);
+            const __m512 w0 = scaled(widen16(r + K32));
             for (int m = 0; m < MB; ++m)
                 a[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + m * K + K32), a[m][0]);
         }
         if (K16 < K) {
-            const __m512 w1 = scaled(widen16(r + K16, tail), K16);
+            const __m512 w1 = scaled(widen16(r + K16, tail));
             for (int m = 0; m < MB; ++m)
                 a[m][1] = _mm512_fmadd_ps(w1, _mm512_maskz_loadu_ps(tail, xp + m * K + K16),
                                           a[m][1]);
@@ -200,12 +215,14 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     const int64_t K16 = K - K % 16;
+    GroupWalk walk(GS ? G / 16 : 1);
     for (int64_t k = 0; k < K16; k += 16) {
         __m512 wv[4];
+        const int64_t gi = GS ? walk.next() : 0;
         for (int n = 0; n < 4; ++n) {
             _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + kPrefetchBytes, _MM_HINT_T0);
             wv[n] = widen16(w[n] + k);
-            if constexpr (GS) wv[n] = _mm512_mul_ps(wv[n], _mm512_set1_ps(g[n][k / G]));
+            if constexpr (GS) wv[n] = _mm512_mul_ps(wv[n], _mm512_set1_ps(g[n][gi]));
         }
         for (int m = 0; m < 4; ++m) {
             __m512 xv = _mm512_loadu_ps(x[m] + k);
@@ -267,26 +284,28 @@ static void rows(const W* wp, const float* xp, const float* sp, const float* bp,
     for (int64_t n = n0; n < n1; ++n) {
         const W* r = wp + n * K;
         const float* g = GS ? gp + n * (K / G) : nullptr;
-        auto scaled = [&](__m256 v, int64_t k) {
-            if constexpr (GS) return _mm256_mul_ps(v, _mm256_set1_ps(g[k / G]));
+        GroupWalk walk(GS ? G / 8 : 1);
+        auto scaled = [&](__m256 v) {  // chunks in order, 8 weights each
+            if constexpr (GS) return _mm256_mul_ps(v, _mm256_set1_ps(g[walk.next()]));
             else return v;
         };
         __m256 a[MB][2];
         for (int m = 0; m < MB; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
         for (int64_t k = 0; k < K16; k += 16) {
-            const __m256 w0 = scaled(widen8(r + k), k), w1 = scaled(widen8(r + k + 8), k + 8);
+            const __m256 w0 = scaled(widen8(r + k));
+            const __m256 w1 = scaled(widen8(r + k + 8));
             for (int m = 0; m < MB; ++m) {
                 a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + k), a[m][0]);
                 a[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + m * K + k + 8), a[m][1]);
             }
         }
         if (K16 < K8) {
-            const __m256 w0 = scaled(widen8(r + K16), K16);
+            const __m256 w0 = scaled(widen8(r + K16));
             for (int m = 0; m < MB; ++m)
                 a[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp + m * K + K16), a[m][0]);
         }
         if (K8 < K) {
-            const __m256 w1 = scaled(widen8_tail(r + K8, K - K8), K8);
+            const __m256 w1 = scaled(widen8_tail(r + K8, K - K8));
             for (int m = 0; m < MB; ++m)
                 a[m][1] = _mm256_fmadd_ps(w1, load8_tail(xp + m * K + K8, K - K8), a[m][1]);
         }
@@ -304,6 +323,7 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
     __m256 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
     const int64_t K8 = K - K % 8;
+    GroupWalk walk(GS ? G / 8 : 1);
     auto step = [&](const __m256* wv, __m256 x0, __m256 x1) {
         for (int n = 0; n < 4; ++n) {
             acc[n * 2] = _mm256_fmadd_ps(wv[n], x0, acc[n * 2]);
@@ -312,10 +332,11 @@ inline void tile(const W* const* w, const float* const* x, int64_t K, float* r,
     };
     for (int64_t k = 0; k < K8; k += 8) {
         __m256 wv[4];
+        const int64_t gi = GS ? walk.next() : 0;
         for (int n = 0; n < 4; ++n) {
             _mm_prefetch(reinterpret_cast<const char*>(w[n] + k) + kPrefetchBytes, _MM_HINT_T0);
             wv[n] = widen8(w[n] + k);
-            if constexpr (GS) wv[n] = _mm256_mul_ps(wv[n], _mm256_set1_ps(g[n][k / G]));
+            if constexpr (GS) wv[n] = _mm256_mul_ps(wv[n], _mm256_set1_ps(g[n][gi]));
         }
         step(wv, _mm256_loadu_ps(x[0] + k), _mm256_loadu_ps(x[1] + k));
     }
