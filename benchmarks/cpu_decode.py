@@ -14,7 +14,9 @@ embedding too, as the head), so its floor is bytes-per-step / read-stream bandwi
   loop, engine.kernels.decode_stack: what the engine runs), and with `--compare-arena` a
   second engine loaded without the weight block ("stack, no arena");
 - for each `--threads` count (default "1,2": llama.cpp is compared at 2) prints per-round
-  tokens/s, ratios against "torch" and each routing's fraction of the bandwidth bound.
+  decode tokens/s (1 / TPOT: the first token, the prompt's prefill, is not a decode step and
+  is left out, as llama.cpp's eval rate and llamacpp_compare.py leave it out), ratios against
+  "torch" and each routing's fraction of the bandwidth bound.
 
 Usage: `python benchmarks/cpu_decode.py [--model PATH] [--rounds 3] [--tokens 64]
 [--threads 1,2] [--quantization int8] [--compare-arena] [--json PATH]`.
@@ -180,10 +182,10 @@ def _rounds(args, switches, greedy, texts, threads) -> dict[str, list[float]]:
     for r in range(args.rounds):
         for name, (llm, apply) in switches.items():
             apply()
-            t0 = time.perf_counter()
             out = llm.generate([PROMPT], greedy)[0]
-            # The first token is the prefill's; the rest are decode steps.
-            rounds[name].append((time.perf_counter() - t0) / args.tokens)
+            # The first token is the prefill's; the rest are decode steps: seconds per output
+            # token after the first (TPOT), what llamacpp_compare.py and llama.cpp report.
+            rounds[name].append(out.tpot)
             texts[name] = out.text
         log(
             f"{threads} thread(s), round {r + 1}: "

@@ -54,7 +54,7 @@ def _cache(n_blocks, bs, kvh, d, dtype, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,bs",
-    [(8, 4, 64, 16), (4, 4, 32, 16), (6, 1, 128, 8), (4, 2, 40, 16), (2, 2, 16, 32)],
+    [(8, 4, 64, 16), (4, 4, 32, 16), (6, 1, 128, 8), (4, 2, 40, 16), (2, 2, 16, 32), (9, 3, 64, 16)],
 )
 @pytest.mark.parametrize("window", [0, 21])
 def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, bs, window):
