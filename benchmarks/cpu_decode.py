@@ -19,7 +19,7 @@ embedding too, as the head), so its floor is bytes-per-step / read-stream bandwi
   "torch" and each routing's fraction of the bandwidth bound.
 
 Usage: `python benchmarks/cpu_decode.py [--model PATH] [--rounds 3] [--tokens 64]
-[--threads 1,2] [--quantization int8] [--compare-arena] [--json PATH]`.
+[--threads 1,2] [--quantization int8|int8-w8a8] [--compare-arena] [--json PATH]`.
 """
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    p.add_argument("--quantization", choices=("int8",), default=None)
+    p.add_argument("--quantization", choices=("int8", "int8-w8a8"), default=None)
     p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the read-stream probe")
     p.add_argument("--compare-arena", action="store_true", help="also load without the block")
     p.add_argument("--json", default=None)

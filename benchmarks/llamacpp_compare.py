@@ -15,6 +15,8 @@ Sections (`--only`, comma-separated):
               colocated --replicas 1` (one engine on both cores: the cheapest topology of
               tandem's CPU serving; the router, Ray and HTTP are all in the path);
 - int8:       batch-1 decode, tandem `quantization="int8"` against llama.cpp Q8_0.
+- w8a8:       the same with tandem `quantization="int8-w8a8"` (decode activations int8 per
+              block of 32: Q8_0's own arithmetic).
 Before the rounds, greedy agreement: llama-server's tokens (`/completion`, top_k 1) against
 tandem's for `--agree-prompts` chat prompts, bf16 (and Q8_0 vs int8 with `int8`).
 
@@ -224,7 +226,7 @@ def alternate(rounds: int, run_llama, run_tandem, name: str, unit: str) -> list[
 
 def decode_section(args, layout, weights, quant: str | None) -> dict:
     gguf = weights.q8_0_gguf if quant else weights.bf16_gguf
-    name = "int8" if quant else "decode"
+    name = {"int8": "int8", "int8-w8a8": "w8a8"}.get(quant, "decode")
     llm = tandem_llm(weights, quant)
     ids = chat_ids(llm, CHAT_PROMPTS[1])
     set_threads(args.threads)
@@ -418,6 +420,7 @@ def run(args) -> dict:
         "prefill": lambda: prefill_section(args, layout, weights),
         "concurrent": lambda: concurrent_section(args, layout, weights),
         "int8": lambda: decode_section(args, layout, weights, "int8"),
+        "w8a8": lambda: decode_section(args, layout, weights, "int8-w8a8"),
     }
     for name in SECTIONS:
         if name in args.only:

@@ -8,12 +8,13 @@ import json
 import statistics
 
 # Section -> (what is measured, unit), in the order they run and print.
-SECTIONS = ("decode", "prefill", "concurrent", "int8")
+SECTIONS = ("decode", "prefill", "concurrent", "int8", "w8a8")
 LABELS = {
     "decode": ("decode, batch 1, bf16", "tok/s"),
     "prefill": ("prefill, one 512-token prompt, bf16", "tok/s"),
     "concurrent": ("32 concurrent requests, output tokens/s", "tok/s"),
     "int8": ("decode, batch 1, llama.cpp Q8_0 vs tandem int8", "tok/s"),
+    "w8a8": ("decode, batch 1, llama.cpp Q8_0 vs tandem int8-w8a8", "tok/s"),
 }
 _BENCH_KEYS = ("n_prompt", "n_gen", "avg_ts")
 

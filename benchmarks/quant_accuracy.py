@@ -8,7 +8,8 @@ near-ties; the checkpoints here are `cached_model(arch, "tiny", train_steps=N)`,
 they memorise the embedded corpus (`tools/train_model.py`), so most positions are confident
 the way a trained model's are, and the off-corpus prompts add uncertain ones.
 
-Per arch and mode (bf16 = bfloat16 without quantization; fp8 = W8A8; fp8-weight-only; int8,
+Per arch and mode (bf16 = bfloat16 without quantization; fp8 = W8A8; fp8-weight-only; int8;
+int8-w8a8, teacher-forced one token a step since its activations are quantized at decode rows;
 the quantized modes with `--dtype` activations, float32 by default), against the fp32 engine:
 - teacher-forced logits (`engine.scoring.teacher_forced_logits`) over fixed prompts: 5 corpus
   windows of 200 tokens and 3 off-corpus prompts of 64 (pseudo-words, shuffled corpus
@@ -42,7 +43,10 @@ from benchmarks.common import (  # noqa: E402
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-QUANT_MODES = ("fp8", "fp8-weight-only", "int8")
+QUANT_MODES = ("fp8", "fp8-weight-only", "int8", "int8-w8a8")
+# Modes whose arithmetic differs only at decode rows (1-3 a projection): their teacher-forced
+# logits come one token a step, as batch-1 decode computes them.
+DECODE_ROW_MODES = ("int8-w8a8",)
 DISAGG = "fp8+int8"  # fp8 W8A8 prefill engine, int8 decode engine
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "quant_accuracy.json"
 # The acceptance bounds, per architecture, for each mode against fp32.
@@ -97,10 +101,13 @@ def load(path: Path, dtype: str, quantization: str, **kw):
     return LLM(str(path), dtype=dtype, quantization=quantization, num_kv_blocks=96, **kw)
 
 
-def teacher_forced(llm, prompts: dict[str, list[list[int]]]) -> dict[str, list]:
+def teacher_forced(llm, prompts: dict[str, list[list[int]]], rows: int = 0) -> dict[str, list]:
     from engine.scoring import teacher_forced_logits
 
-    return {g: [teacher_forced_logits(llm.engine, p) for p in ps] for g, ps in prompts.items()}
+    return {
+        g: [teacher_forced_logits(llm.engine, p, rows_per_step=rows) for p in ps]
+        for g, ps in prompts.items()
+    }
 
 
 def greedy(llm, prompts: dict[str, list[list[int]]], max_tokens: int) -> dict[str, list]:
@@ -193,7 +200,9 @@ def measure_arch(path: Path, qdtype: str = "float32", quick: bool = False) -> di
     rows: dict[str, dict] = {}
     for label, dtype, quant in mode_runs(qdtype):
         llm = load(path, dtype, quant)
-        logits, tokens = teacher_forced(llm, prompts), greedy(llm, gprompts, max_tokens)
+        rows_per_step = 1 if quant in DECODE_ROW_MODES else 0
+        logits = teacher_forced(llm, prompts, rows_per_step)
+        tokens = greedy(llm, gprompts, max_tokens)
         del llm
         if ref_logits is None:
             ref_logits, ref_tokens = logits, tokens

@@ -82,7 +82,7 @@ class EngineConfig:
     )
     quantization: str | None = setting(
         None,
-        "projection weights: auto, none, int8, fp8 (W8A8), fp8-weight-only, weight-only "
+        "projection weights: auto, none, int8, int8-w8a8, fp8 (W8A8), fp8-weight-only, weight-only "
         "(engine.quantization)",
         choices=QUANTIZATIONS,
         cli=False,
@@ -124,7 +124,7 @@ class LLMEngine:
         )
         self.max_model_len = mc.context_window(config.max_model_len)
         torch.manual_seed(config.seed)
-        # The layout the weights get ("none", "int8", "fp8", "fp8-weight-only").
+        # The layout the weights get (engine.quantization.RESOLVED).
         fp8_checkpoint = mc.fp8_checkpoint is not None and config.load_format == "auto"
         self.quantization = resolve(config.quantization, fp8_checkpoint, self.device)
         self.tp, shard = None, None

@@ -18,19 +18,28 @@ from engine.scheduler import ScheduledSeq, Sequence, StepPlan
 
 
 @torch.inference_mode()
-def teacher_forced_logits(engine, token_ids: list[int]) -> torch.Tensor:
-    """fp32 [len(token_ids), vocab]: row i is the distribution over token i + 1."""
+def teacher_forced_logits(engine, token_ids: list[int], rows_per_step: int = 0) -> torch.Tensor:
+    """fp32 [len(token_ids), vocab]: row i is the distribution over token i + 1.
+    `rows_per_step` > 0 runs the sequence in chunks of that many tokens, each attending to the
+    cached ones before it: with 1-3 the projections take the decode-row kernels (what
+    "int8-w8a8" changes is only there); 0: one whole-prompt chunk."""
     n = len(token_ids)
     if n < 1 or n > engine.max_model_len:
         raise ValueError(f"need 1..{engine.max_model_len} tokens, got {n}")
     blocks = engine.block_manager.allocate_blocks(engine.block_manager.blocks_needed(n))
     try:
-        # One whole-prompt chunk, laid out by the runner exactly as a serving step would be.
+        # Chunks laid out by the runner exactly as serving steps would be.
         seq = Sequence("teacher-forcing", list(token_ids), SamplingParams(max_tokens=1))
         seq.block_table = blocks
-        input_ids, positions, meta = engine.runner.prepare(StepPlan([ScheduledSeq(seq, n)], []))
-        with forward_context(meta):
-            hidden = engine.model(input_ids, positions, engine.cache, engine.backend)
-        return engine.model.compute_logits(hidden).float()
+        step = rows_per_step if rows_per_step > 0 else n
+        out = []
+        for start in range(0, n, step):
+            seq.num_computed_tokens = start
+            plan = StepPlan([ScheduledSeq(seq, min(step, n - start))], [])
+            input_ids, positions, meta = engine.runner.prepare(plan)
+            with forward_context(meta):
+                hidden = engine.model(input_ids, positions, engine.cache, engine.backend)
+            out.append(engine.model.compute_logits(hidden).float())
+        return torch.cat(out)
     finally:
         engine.block_manager.free(blocks)

@@ -2,6 +2,8 @@
 
 - `linear`: GEMV/GEMM for bf16 weights (CPUs without bf16 instructions) and int8 weights with
   per-channel scales (weight-only quantization); AVX-512, or AVX2 + FMA on 8-lane vectors.
+- `linear_q8`: int8 weights x int8 activations (per 32-block scales, llama.cpp Q8_0's
+  arithmetic) for decode rows; AVX2.
 - `paged_decode`: decode attention reading the paged KV cache in place (any x86/ARM CPU;
   AVX-512 intrinsics where available).
 - `fused`: residual add + RMSNorm, in-place RoPE, SiLU-and-multiply (fp32/bf16), keeping Hugging
@@ -26,7 +28,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from engine.kernels import decode_stack, fused, linear, paged_decode
+from engine.kernels import decode_stack, fused, linear, linear_q8, paged_decode
 
 log = logging.getLogger(__name__)
 _NAME = "tandem_cpu_kernels"
@@ -49,6 +51,9 @@ class CpuOps:
     # in x's dtype; gemv takes M <= 3. See engine.kernels.linear.
     gemv: Any = None
     tiled_linear: Any = None
+    # int8 weights x int8 activations quantized per 32-block (engine.kernels.linear_q8), 1-3
+    # rows: the "int8-w8a8" quantization's decode products; needs AVX2.
+    gemv_q8: Any = None
     paged_decode: Any = None  # see engine.kernels.paged_decode
     cache_write: Any = None  # ditto (checked together with paged_decode)
     add_rms_norm: Any = None  # see engine.kernels.fused (these three pass or fail together)
@@ -120,11 +125,13 @@ def source() -> str:
         [
             _HEADER,
             linear.SOURCE,
+            linear_q8.SOURCE,  # uses linear's argument helpers
             paged_decode.SOURCE,
             fused.SOURCE,
-            decode_stack.SOURCE,  # calls the three above: after them
+            decode_stack.SOURCE,  # calls the ones above: after them
             "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
             linear.BINDINGS,
+            linear_q8.BINDINGS,
             paged_decode.BINDINGS,
             fused.BINDINGS,
             decode_stack.BINDINGS,
@@ -166,6 +173,7 @@ def ops() -> CpuOps | None:
     found = CpuOps(
         gemv=getattr(mod, "gemv", None),
         tiled_linear=getattr(mod, "tiled_linear", None),
+        gemv_q8=getattr(mod, "gemv_q8", None),
         paged_decode=getattr(mod, "paged_decode", None),
         cache_write=getattr(mod, "cache_write", None),
         add_rms_norm=getattr(mod, "add_rms_norm", None),
@@ -173,10 +181,12 @@ def ops() -> CpuOps | None:
         silu_mul=getattr(mod, "silu_mul", None),
     )
     gemm_ok = found.tiled_linear is not None and _passes(linear.check, found)
+    q8_ok = gemm_ok and found.gemv_q8 is not None and _passes(linear_q8.check, found)
     attn_ok = found.paged_decode is not None and _passes(paged_decode.check, found)
     fused_ok = found.add_rms_norm is not None and _passes(fused.check, found)
     for name, ok, present in (
         ("narrow-weight linear", gemm_ok, found.tiled_linear),
+        ("int8 x int8 linear", q8_ok, found.gemv_q8),
         ("paged decode", attn_ok, found.paged_decode),
         ("fused elementwise", fused_ok, found.add_rms_norm),
     ):
@@ -186,6 +196,7 @@ def ops() -> CpuOps | None:
     return CpuOps(
         gemv=found.gemv if gemm_ok else None,
         tiled_linear=found.tiled_linear if gemm_ok else None,
+        gemv_q8=found.gemv_q8 if q8_ok else None,
         paged_decode=found.paged_decode if attn_ok else None,
         cache_write=found.cache_write if attn_ok else None,
         add_rms_norm=found.add_rms_norm if fused_ok else None,

@@ -9,7 +9,9 @@ such a step — `add_rms_norm`, `gemv` (qkv), `rope_`, `cache_write`, `paged_dec
 the same kernels on the same inputs, so its output is bit-identical to the Python path's.
 `engine.models.decode_stack` decides when a model and a step qualify.
 
-Per layer, the constructor takes 12 entries (None where absent): input norm weight, qkv weight,
+The last constructor argument says whether int8 projections take `gemv_q8` ("int8-w8a8",
+engine.kernels.linear_q8) as the Python path's do. Per layer, the constructor takes 12
+entries (None where absent): input norm weight, qkv weight,
 qkv scale (int8), qkv bias, o weight, o scale, o bias, post-attention norm weight, gate_up
 weight, gate_up scale, down weight, down scale; then the final norm's weight.
 """
@@ -27,9 +29,9 @@ using OptT = c10::optional<torch::Tensor>;
 class Stack {
   public:
     Stack(std::vector<OptT> tensors, int64_t layers, int64_t heads, int64_t kv_heads,
-          int64_t head_dim, double eps)
+          int64_t head_dim, double eps, bool q8)
         : t_(std::move(tensors)), L_(layers), H_(heads), kvH_(kv_heads), D_(head_dim),
-          eps_(eps) {
+          eps_(eps), q8_(q8) {
         TORCH_CHECK((int64_t)t_.size() == layers * 12 + 1, "12 tensors a layer + final norm");
         for (int64_t l = 0; l < layers; ++l)
             for (int i : {0, 1, 4, 7, 8, 10})
@@ -52,7 +54,7 @@ class Stack {
             const OptT* w = &t_[l * 12];
             auto hr = fused::add_rms_norm(x, residual, *w[0], eps_);
             residual = hr[1];
-            auto qkv = narrow_linear::gemv(hr[0], *w[1], w[2], w[3]).view({M, H_ + 2 * kvH_, D_});
+            auto qkv = mm(hr[0], *w[1], w[2], w[3]).view({M, H_ + 2 * kvH_, D_});
             fused::rope_(qkv, cos, sin, H_ + kvH_);
             auto layer = kv.select(1, l);
             auto kc = layer.select(1, 0), vc = layer.select(1, 1);
@@ -60,19 +62,32 @@ class Stack {
                                       qkv.narrow(1, H_ + kvH_, kvH_));
             auto o = paged_decode::paged_decode(qkv.narrow(1, 0, H_), kc, vc, c10::nullopt,
                                                 c10::nullopt, tables, lens, scale, window);
-            x = narrow_linear::gemv(o.view({M, H_ * D_}), *w[4], w[5], w[6]);
+            x = mm(o.view({M, H_ * D_}), *w[4], w[5], w[6]);
             hr = fused::add_rms_norm(x, residual, *w[7], eps_);
             residual = hr[1];
-            auto act = fused::silu_mul(narrow_linear::gemv(hr[0], *w[8], w[9], c10::nullopt));
-            x = narrow_linear::gemv(act, *w[10], w[11], c10::nullopt);
+            auto act = fused::silu_mul(mm(hr[0], *w[8], w[9], c10::nullopt));
+            x = mm(act, *w[10], w[11], c10::nullopt);
         }
         return fused::add_rms_norm(x, residual, *t_.back(), eps_)[0];
     }
 
   private:
+    // One projection, as engine.models.linear.Linear routes it: int8 weights of an
+    // "int8-w8a8" model through gemv_q8 where its blocks fit (q8_fits), else gemv.
+    torch::Tensor mm(const torch::Tensor& x, const torch::Tensor& w, const OptT& s,
+                     const OptT& b) const {
+#ifdef TANDEM_Q8_LINEAR
+        const int64_t K = w.size(1);
+        if (q8_ && s.has_value() && K % 32 == 0 && (s->dim() == 1 || (K / s->size(1)) % 32 == 0))
+            return q8_linear::gemv_q8(x, w, *s, b);
+#endif
+        return narrow_linear::gemv(x, w, s, b);
+    }
+
     std::vector<OptT> t_;
     int64_t L_, H_, kvH_, D_;
     double eps_;
+    bool q8_;
 };
 
 }  // namespace decode_stack
@@ -83,7 +98,7 @@ BINDINGS = r"""
 #ifdef TANDEM_NARROW_LINEAR  // calls narrow_linear::gemv (engine.kernels.linear)
     pybind11::class_<decode_stack::Stack>(m, "DecodeStack")
         .def(pybind11::init<std::vector<c10::optional<torch::Tensor>>, int64_t, int64_t,
-                            int64_t, int64_t, double>())
+                            int64_t, int64_t, double, bool>())
         .def("run", &decode_stack::Stack::run, "one decode step through every layer");
 #endif
 """

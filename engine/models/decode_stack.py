@@ -65,9 +65,13 @@ def build(model: nn.Module):
     assert len(tensors) == PER_LAYER * len(model.model.layers)
     tensors.append(model.model.norm.weight)
     eps = model.model.norm.eps
+    # "int8-w8a8": the stack takes the Python path's choice, which every int8 layer shares.
+    q8 = {m.int8_q8 for m in model.model.layers.modules() if getattr(m, "scheme", 0) == "int8"}
+    if len(q8) > 1:
+        return None
     return stack_cls(
         tensors, len(model.model.layers), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        eps,
+        eps, q8 == {True},
     )  # fmt: skip
 
 

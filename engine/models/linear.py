@@ -42,6 +42,13 @@ def cpu_has_native_bf16_gemm() -> bool:
     return True
 
 
+def q8_fits(qweight: torch.Tensor, wscale: torch.Tensor) -> bool:
+    """Whether engine.kernels.linear_q8 takes this int8 weight: K in whole blocks of 32, and
+    group scales (if any) in whole blocks too."""
+    k = qweight.shape[1]
+    return k % 32 == 0 and (wscale.dim() == 1 or (k // wscale.shape[1]) % 32 == 0)
+
+
 def widen(t: torch.Tensor) -> torch.Tensor:
     """A CPU fp32 copy of `t`."""
     # copy_ into a fresh fp32 tensor: measured ~5x faster than t.float() for bf16 on CPU.
@@ -75,6 +82,7 @@ class Linear(nn.Linear):
     widen_fallback = False  # routing on but no kernels: still avoid the emulated bf16 GEMM
     gemv_only = False  # native bf16 GEMM: only the GEMV rows leave torch (see `forward`)
     int8_ops: CpuOps | None = None  # set for int8 weights on a CPU with the kernels
+    int8_q8 = False  # "int8-w8a8": decode rows through int8_ops.gemv_q8 (engine.kernels.linear_q8)
     # After quantization: buffers qweight (int8 or e4m3 [N, K]) and wscale (fp32 [N], or
     # [N, ceil(K / block_k)] for block-wise FP8); weight is None. scheme: None, "int8", "fp8".
     scheme: str | None = None
@@ -142,6 +150,8 @@ class Linear(nn.Linear):
         ops = self.int8_ops
         m = x.shape[0] if x.dim() == 2 else -1
         if ops is not None and 0 < m <= TILED_MAX_ROWS and x.dtype in KERNEL_DTYPES:
+            if self.int8_q8 and m <= GEMV_MAX_ROWS and q8_fits(self.qweight, self.wscale):
+                return ops.gemv_q8(x, self.qweight, self.wscale, self.bias)
             op = ops.gemv if m <= GEMV_MAX_ROWS else ops.tiled_linear
             return op(x, self.qweight, self.wscale, self.bias)
         if x.device.type == "cpu" and x.dtype in KERNEL_DTYPES:
@@ -198,7 +208,7 @@ def quantize_linears(module: nn.Module, method: str | None) -> int:
     n = 0
     for mod in module.modules():
         if isinstance(mod, Linear) and not mod.quantized:
-            if method == "int8":
+            if method in quantization.INT8_LAYOUTS:
                 mod.quantize_int8()
             else:
                 mod.quantize_fp8(activations=method == "fp8")

@@ -215,7 +215,8 @@ class CausalLM(nn.Module):
         ops = kernels.ops()
         if ops is None or ops.tiled_linear is None:
             return n
-        if quantization.validate(method) == "int8" and type(self.lm_head) is Linear:
+        method = quantization.validate(method)
+        if method in quantization.INT8_LAYOUTS and type(self.lm_head) is Linear:
             # One scale per 32 weights of a row (GGUF Q8_0's): per-row scales cost SmolLM2
             # 60x bf16's KL on the head alone. A tied head gets its own int8 copy.
             k = self.lm_head.in_features
@@ -223,6 +224,7 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear) and m.scheme == "int8":
                 m.int8_ops = ops
+                m.int8_q8 = method == "int8-w8a8" and ops.gemv_q8 is not None
         return n
 
     def use_fused_cpu_ops(self, enabled: bool) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from engine import kernels
 from engine.llm import LLM
-from engine.models import decode_stack, llama, weight_arena
+from engine.models import decode_stack, linear, llama, weight_arena
 from engine.protocol import SamplingParams
 
 OPS = kernels.ops()
@@ -51,11 +51,22 @@ def _generate(llm: LLM, prompts, stack_on: bool):
 
 @needs_stack
 @pytest.mark.parametrize(
-    "arch,quantization", [("llama", None), ("qwen2", None), ("llama", "int8"), ("qwen2", "int8")]
+    "arch,quantization",
+    [
+        ("llama", None),
+        ("qwen2", None),
+        ("llama", "int8"),
+        ("qwen2", "int8"),
+        ("llama", "int8-w8a8"),
+        ("qwen2", "int8-w8a8"),
+    ],
 )
 def test_stack_is_the_python_layers_exact_twin(make_tiny_model, arch, quantization):
     kw = {"quantization": quantization} if quantization else {}
     llm = LLM(str(make_tiny_model(arch)), dtype="bfloat16", num_kv_blocks=64, **kw)
+    if quantization == "int8-w8a8" and OPS.gemv_q8 is not None:  # the q8 products do run
+        lins = [m for m in llm.engine.model.modules() if getattr(m, "scheme", None) == "int8"]
+        assert lins and all(m.int8_q8 and linear.q8_fits(m.qweight, m.wscale) for m in lins)
     for prompts, rows in ((PROMPTS, 3), (PROMPTS[:1], 1)):
         fast, counter = _generate(llm, prompts, stack_on=True)
         slow, _ = _generate(llm, prompts, stack_on=False)

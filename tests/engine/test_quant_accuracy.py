@@ -7,6 +7,8 @@ shows): teacher-forced logits over 5 corpus windows of 200 tokens (1000 confiden
 and 3 off-corpus prompts of 64 (192 uncertain ones), and greedy decoding of 128 tokens from 4
 corpus prompts. Quantized modes run with fp32 activations; checkpoints are
 `cached_model(arch, "tiny", train_steps=300)` made in pytest's temporary directory.
+int8-w8a8 quantizes only decode rows' activations, so its logits are teacher-forced one token a
+step (measured 2026-11-27 on a 2-core AMD EPYC Zen 2, the AVX2 kernel).
 
 Measured (2-core AMD EPYC, torch CPU, fp32 activations; `python benchmarks/quant_accuracy.py`)
 and asserted, per architecture llama / mistral / qwen2 / qwen3:
@@ -14,13 +16,16 @@ and asserted, per architecture llama / mistral / qwen2 / qwen3:
 | metric                   | mode            | issue  | measured                        | asserted |
 |--------------------------|-----------------|--------|---------------------------------|----------|
 | logits cosine, mean      | int8            | >=.999 | .999887 .999888 .999888 .999889 | >= .999  |
+|                          | int8-w8a8       | >=.999 | .999751 (llama) .999757 (qwen3) | >= .999  |
 |                          | fp8-weight-only | >=.999 | .998253 .998253 .998292 .998274 | >= .997  |
 |                          | fp8 (W8A8)      | >=.999 | .996605 .996541 .996636 .996568 | >= .995  |
 | top-1, all 1192 pos.     | int8            | >=.99  | .9950 .9966 .9983 .9975         | >= .99   |
+|                          | int8-w8a8       | >=.99  | .9924 (llama) .9950 (qwen3)     | >= .99   |
 |                          | fp8-weight-only | >=.99  | .9933 .9866 .9891 .9841         | >= .97   |
 |                          | fp8 (W8A8)      | >=.99  | .9866 .9849 .9849 .9773         | >= .96   |
 | top-1, 1000 corpus pos.  | every mode      | >=.99  | >= .998 everywhere              | >= .99   |
 | KL / bf16's KL           | int8            | <= 4   | 1.7 1.7 1.9 1.7                 | <= 4     |
+|                          | int8-w8a8       | <= 4   | 3.5 (llama) 3.4 (qwen3)         | <= 4     |
 |                          | fp8-weight-only | <= 4   | 26.4 25.7 32.5 28.0             | <= 50    |
 |                          | fp8 (W8A8)      | <= 4   | 50.3 56.8 61.0 56.8             | <= 90    |
 | greedy, 4 x 128 tokens   | every mode, and | >=.97  | 1.0 everywhere                  | >= .97   |
@@ -60,8 +65,10 @@ ISSUE_TOP1 = BOUNDS["top1"]
 ISSUE_GREEDY = BOUNDS["greedy"]
 # Asserted bounds per mode (see the table above): the issue's where measurements meet it.
 COS_MEAN = {"int8": BOUNDS["cos_mean"], "fp8-weight-only": 0.997, "fp8": 0.995}
-TOP1_ALL = {"int8": ISSUE_TOP1, "fp8-weight-only": 0.97, "fp8": 0.96}
+COS_MEAN["int8-w8a8"] = BOUNDS["cos_mean"]
+TOP1_ALL = {"int8": ISSUE_TOP1, "fp8-weight-only": 0.97, "fp8": 0.96, "int8-w8a8": ISSUE_TOP1}
 KL_RATIO = {"int8": BOUNDS["kl_ratio"], "fp8-weight-only": 50.0, "fp8": 90.0}
+KL_RATIO["int8-w8a8"] = BOUNDS["kl_ratio"]
 
 # Two of the four archs here (the benchmark measures all four, and its table above shows them
 # within 1e-5 of each other in cosine): llama, and qwen3 whose q/k norms put a quantized
@@ -130,3 +137,5 @@ def test_quantization_really_happened(metrics, arch):
     assert wo["kl"] > 2 * int8["kl"] and wo["cos_mean"] < int8["cos_mean"]
     # W8A8 also rounds the activations: measured 1.9-2.2x the weight-only KL.
     assert fp8["kl"] > 1.3 * wo["kl"]
+    # int8-w8a8 rounds the decode rows' activations too: measured 1.9-2.0x int8's KL.
+    assert m["int8-w8a8"]["kl"] > 1.3 * int8["kl"]
