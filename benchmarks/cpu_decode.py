@@ -218,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-arena", action="store_true", help="also load without the block")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.tokens < 2:
+        p.error("--tokens must be at least 2 (the rate is measured after the first token)")
     args.threads = [int(t) for t in str(args.threads).split(",")]
     if args.model is None:
         from tools.real_model import model_path

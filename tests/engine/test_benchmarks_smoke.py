@@ -74,8 +74,8 @@ def test_quant_accuracy_quick(make_tiny_model, tmp_path):
     stdout, r = _run("quant_accuracy.py", tmp_path / "qa.json", make_tiny_model("llama"))
     assert "| arch | mode | cos mean" in stdout and "issue bounds" in stdout
     modes = r["results"]["llama"]["modes"]
-    assert set(modes) == {"bf16", "fp8", "fp8-weight-only", "int8", "fp8+int8"}
-    for mode in ("bf16", "fp8", "fp8-weight-only", "int8"):
+    assert set(modes) == {"bf16", "fp8", "fp8-weight-only", "int8", "int8-w8a8", "fp8+int8"}
+    for mode in ("bf16", "fp8", "fp8-weight-only", "int8", "int8-w8a8"):
         row = modes[mode]
         assert -1.0 <= row["cos_min"] <= row["cos_mean"] <= 1.0 + 1e-6
         assert 0.0 <= row["top1"] <= 1.0 and row["kl"] >= 0.0
