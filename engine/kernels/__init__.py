@@ -145,6 +145,12 @@ def ops() -> CpuOps | None:
     """The checked ops, or None where nothing could be built (see the module docstring)."""
     if not enabled():
         return None
+    mod = _build()
+    return None if mod is None else _checked(mod)
+
+
+def _build():
+    """The compiled extension module, or None (logged) where it cannot be built here."""
     try:
         from torch.utils.cpp_extension import load_inline
 
@@ -170,6 +176,11 @@ def ops() -> CpuOps | None:
     except Exception as exc:  # no compiler, no ninja, odd toolchain: keep the torch paths
         log.warning("tandem CPU kernels unavailable (%s); using torch everywhere", exc)
         return None
+    return mod
+
+
+def _checked(mod) -> CpuOps:
+    """The module's ops, each kept only if it (and what it is built from) passes its check."""
     found = CpuOps(
         gemv=getattr(mod, "gemv", None),
         tiled_linear=getattr(mod, "tiled_linear", None),

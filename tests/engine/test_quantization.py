@@ -97,12 +97,20 @@ def test_quantized_linear_routes_agree(dtype):
         torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_engine_int8_stays_close_to_the_full_model(make_tiny_model):
+@pytest.mark.parametrize("method", ["int8", "int8-w8a8"])
+def test_engine_int8_stays_close_to_the_full_model(make_tiny_model, method):
     """The quantized engine's first-token logits track the full model's and greedy decoding
-    mostly agrees; its decoder weights take a quarter of the fp32 bytes."""
+    mostly agrees; its decoder weights take a quarter of the fp32 bytes. int8-w8a8 (decode
+    activations int8 too) where its kernel exists: every int8 projection takes it."""
+    q8 = OPS is not None and OPS.gemv_q8 is not None
+    if method == "int8-w8a8" and not q8:
+        pytest.skip("the int8 x int8 kernel needs AVX2 and a C++ toolchain")
     path = make_tiny_model("llama")
     full = LLM(path, dtype="float32", enable_prefix_caching=False)
-    quant = LLM(path, dtype="float32", enable_prefix_caching=False, quantization="int8")
+    quant = LLM(path, dtype="float32", enable_prefix_caching=False, quantization=method)
+    if method == "int8-w8a8":  # the head too (group scales of 32)
+        lins = [m for m in quant.engine.model.modules() if getattr(m, "scheme", None) == "int8"]
+        assert lins and all(m.int8_q8 for m in lins)
     layers_full = sum(
         p.numel() * p.element_size() for p in full.engine.model.model.layers.parameters()
     )
