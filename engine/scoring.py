@@ -5,7 +5,8 @@ Accuracy measurements (quantization against full precision, tests and
 benchmarks/quant_accuracy.py) need the logits of every position, not only the last one the
 serving path samples from. This runs the sequence (one prefill, or chunks of a few rows)
 outside the scheduler, on blocks taken from and given back to the engine's block manager, so
-it must not run while the engine is stepping (call it on an idle engine, from the thread that owns it).
+it must not run while the engine is stepping (call it on an idle engine, from the thread that
+owns it).
 """
 
 from __future__ import annotations
