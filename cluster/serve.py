@@ -33,6 +33,16 @@ from router.config import RouterConfig
 __all__ = ["Deployment", "ServeSettings", "add_arguments", "run", "settings_from_args"]
 
 
+def write_ready_file(path: str, payload: dict) -> None:
+    """Write `payload` as JSON so that a reader polling for the file never sees it empty or
+    half-written: a temporary file beside it, renamed into place (atomic on POSIX). A reader
+    that saw the file appear and read it at once got '' (seen as a JSONDecodeError in a test)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_flags(p, ServeSettings)
     add_flags(p, RouterConfig, title="router", exclude=ROUTER_FIELDS_FROM_SERVE)
@@ -67,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: signals.release())
         if args.ready_file:
-            with open(args.ready_file, "w") as f:
-                json.dump({"url": dep.url, "pid": os.getpid()}, f)
+            write_ready_file(args.ready_file, {"url": dep.url, "pid": os.getpid()})
         while not signals.acquire(timeout=0.5):
             pass
         _drain(dep, signals)

@@ -127,7 +127,7 @@ def source() -> str:
             linear.SOURCE,
             linear_q8.SOURCE,  # uses linear's argument helpers
             paged_decode.SOURCE,
-            fused.SOURCE,
+            fused.SOURCE,  # uses paged_decode::exp8
             decode_stack.SOURCE,  # calls the ones above: after them
             "PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {",
             linear.BINDINGS,

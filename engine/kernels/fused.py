@@ -15,7 +15,11 @@ too; fp32 contraction into FMAs is disabled for this file) so greedy parity is p
   tables) first rounded to the dtype like HF's `cos.to(x.dtype)`.
 - `silu_mul(gate_up) -> out`: silu(gate) * up over the two halves of the last dim.
 
-Types: float32 and bfloat16 (anything else raises; the model keeps its torch path then).
+Types: float32 and bfloat16 (anything else raises; the model keeps its torch path then). With
+AVX2 + FMA each op runs on 8 lanes (the same roundings; SiLU's exponential is
+paged_decode::exp8, so fused comes after paged_decode in the extension's source): at batch 1
+their scalar loops were serial time in every layer of a decode step (silu_mul's std::exp
+alone ~15 us a layer on SmolLM2 on the 2-core Zen 2) that no second thread shared.
 """
 
 from __future__ import annotations
@@ -28,6 +32,81 @@ namespace fused {
 template <typename T> inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 template <> inline float rnd<float>(float v) { return v; }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes of fp32 or bf16 (widened by a shift) and back; bf16 stores and `rnd8` round to
+// nearest even as c10::BFloat16 does (a NaN becomes 0x7FC0), so lanes equal the scalar loop's.
+inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 ld8(const at::BFloat16* p) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256i bf16_bits(__m256 v) {  // the bf16 of each lane, in the upper 16 bits
+    const __m256i b = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    return _mm256_castps_si256(_mm256_blendv_ps(
+        _mm256_castsi256_ps(r), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)), nan));
+}
+template <typename T> inline __m256 rnd8(__m256 v) { return _mm256_castsi256_ps(bf16_bits(v)); }
+template <> inline __m256 rnd8<float>(__m256 v) { return v; }
+inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void st8(at::BFloat16* p, __m256 v) {
+    const __m256i b = _mm256_srli_epi32(bf16_bits(v), 16);  // 8 x 16 bits, in two lanes
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b),
+                                            _mm256_extracti128_si256(b, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+// silu(g) * u on whole blocks of 8 (paged_decode::exp8, the scalar loop's formula and
+// rounding points); returns how many elements it did. ~6x the scalar loop's std::exp.
+template <typename T>
+inline int64_t silu_mul_vec(const T* g, const T* u, T* o, int64_t I) {
+    const __m256 one = _mm256_set1_ps(1.f), neg = _mm256_set1_ps(-0.f);
+    int64_t i = 0;
+    for (; i + 8 <= I; i += 8) {
+        const __m256 gv = ld8(g + i);
+        const __m256 e = paged_decode::exp8(_mm256_xor_ps(gv, neg));
+        const __m256 act = rnd8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, e)));
+        st8(o + i, _mm256_mul_ps(act, ld8(u + i)));
+    }
+    return i;
+}
+
+// One row of add_rms_norm_impl on whole blocks of 8 (the same roundings); the sum of squares
+// in 4 double lanes instead of one (each square is exact in double, so the order moves the
+// float mean by an ulp only in rare near-ties). Returns how many elements it did.
+template <typename T>
+inline int64_t add_rms_row_vec(const T* xr, const T* rr, T* nr, float* s, int64_t H,
+                               double& ss) {
+    __m256d acc = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8) {
+        __m256 v = ld8(xr + i);
+        if (rr) {
+            v = rnd8<T>(_mm256_add_ps(v, ld8(rr + i)));
+            st8(nr + i, v);
+        }
+        _mm256_storeu_ps(s + i, v);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+        const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        acc = _mm256_fmadd_pd(hi, hi, _mm256_fmadd_pd(lo, lo, acc));
+    }
+    alignas(32) double part[4];
+    _mm256_store_pd(part, acc);
+    ss = (part[0] + part[1]) + (part[2] + part[3]);
+    return i;
+}
+template <typename T>
+inline int64_t rms_scale_row_vec(const float* s, const T* w, T* o, float inv, int64_t H) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8)
+        st8(o + i, _mm256_mul_ps(ld8(w + i), rnd8<T>(_mm256_mul_ps(ld8(s + i), iv))));
+    return i;
+}
+#endif
+
 template <typename T>
 void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* new_res, int64_t rows,
                        int64_t H, int64_t x_s, int64_t r_s, float eps) {
@@ -36,7 +115,12 @@ void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* new_res,
         for (int64_t r = r0; r < r1; ++r) {
             const T* xr = x + r * x_s;
             double ss = 0.0;  // a double accumulator: closer to the exact mean than any order
-            for (int64_t i = 0; i < H; ++i) {
+            int64_t i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            i0 = add_rms_row_vec(xr, res ? res + r * r_s : nullptr,
+                                 res ? new_res + r * H : nullptr, s.data(), H, ss);
+#endif
+            for (int64_t i = i0; i < H; ++i) {
                 float v = static_cast<float>(xr[i]);
                 if (res) {
                     v = rnd<T>(v + static_cast<float>(res[r * r_s + i]));
@@ -47,7 +131,11 @@ void add_rms_norm_impl(const T* x, const T* res, const T* w, T* out, T* new_res,
             }
             const float var = static_cast<float>(ss / H);
             const float inv = 1.f / std::sqrt(var + eps);
-            for (int64_t i = 0; i < H; ++i)
+            i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            i0 = rms_scale_row_vec(s.data(), w, out + r * H, inv, H);
+#endif
+            for (int64_t i = i0; i < H; ++i)
                 out[r * H + i] = static_cast<T>(static_cast<float>(w[i]) * rnd<T>(s[i] * inv));
         }
     });
@@ -86,6 +174,27 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Te
     return {out, new_res};
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// One head of rope_impl on whole blocks of 8 pairs, the same products, sums and roundings.
+template <typename T>
+inline int64_t rope_head_vec(T* p, const float* c, const float* s, int64_t half) {
+    const __m256 neg = _mm256_set1_ps(-0.f);
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = ld8(p + i), x2 = ld8(p + i + half);
+        const __m256 a = rnd8<T>(_mm256_add_ps(
+            rnd8<T>(_mm256_mul_ps(x1, ld8(c + i))),
+            rnd8<T>(_mm256_mul_ps(_mm256_xor_ps(x2, neg), ld8(s + i)))));
+        const __m256 b = rnd8<T>(_mm256_add_ps(
+            rnd8<T>(_mm256_mul_ps(x2, ld8(c + i + half))),
+            rnd8<T>(_mm256_mul_ps(x1, ld8(s + i + half)))));
+        st8(p + i, a);
+        st8(p + i + half, b);
+    }
+    return i;
+}
+#endif
+
 template <typename T>
 void rope_impl(T* x, const float* cos, const float* sin, int64_t tokens, int64_t heads,
                int64_t D, int64_t x_s0, int64_t x_s1, int64_t c_s) {
@@ -99,7 +208,11 @@ void rope_impl(T* x, const float* cos, const float* sin, int64_t tokens, int64_t
             }
             for (int64_t h = 0; h < heads; ++h) {
                 T* p = x + t * x_s0 + h * x_s1;
-                for (int64_t i = 0; i < half; ++i) {
+                int64_t i0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+                i0 = rope_head_vec(p, c.data(), s.data(), half);
+#endif
+                for (int64_t i = i0; i < half; ++i) {
                     const float x1 = static_cast<float>(p[i]);
                     const float x2 = static_cast<float>(p[i + half]);
                     // HF: q * cos + rotate_half(q) * sin, rotate_half(q) = cat(-x2, x1);
@@ -142,7 +255,11 @@ void silu_mul_impl(const T* gu, T* out, int64_t rows, int64_t I, int64_t g_s) {
             const T* g = gu + r * g_s;
             const T* u = g + I;
             T* o = out + r * I;
-            for (int64_t i = 0; i < I; ++i) {
+            int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+            i = silu_mul_vec(g, u, o, I);
+#endif
+            for (; i < I; ++i) {
                 const float gv = static_cast<float>(g[i]);
                 const float act = rnd<T>(gv / (1.f + std::exp(-gv)));
                 o[i] = static_cast<T>(act * static_cast<float>(u[i]));

@@ -11,7 +11,7 @@ kernel walks the block table instead and reads each K/V row once, where it lies:
 
 Everything is accumulated in fp32 (bf16 widened by a shift, FP8 e4m3 through a 256-entry
 table times the per-token scale), so the result matches the reference up to summation order.
-Work is split over (sequence, kv head) pairs with `at::parallel_for`.
+Work is split over (sequence, kv heads[, query subgroup]) items with `at::parallel_for`.
 
 Built by `engine.kernels` with the other CPU kernels; `check()` compares it with `reference`
 before the engine uses it. With AVX-512 (D % 16 == 0) or AVX2 + FMA (D % 8 == 0) the inner
@@ -52,6 +52,34 @@ inline void widen(const uint8_t* src, float* dst, int64_t D, float s) {  // fp8 
     static const Fp8Table table;
     for (int64_t d = 0; d < D; ++d) dst[d] = table.v[src[d]] * s;
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// e^x on 8 lanes: exp16's polynomial, 2^n built in the exponent bits (x >= -87.3 keeps n >=
+// -126; x above fp32's largest exponent gives +inf, as std::exp). Also used by fused::silu_mul.
+inline __m256 exp8(__m256 x) {
+    const __m256 over = _mm256_cmp_ps(x, _mm256_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    // 2^n as two factors: n reaches 128 near x = 88.7, one past the largest exponent.
+    const __m256i h = _mm256_srai_epi32(_mm256_cvtps_epi32(n), 1);
+    const __m256i l = _mm256_sub_epi32(_mm256_cvtps_epi32(n), h);
+    const __m256i bias = _mm256_set1_epi32(127);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, bias), 23)));
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(l, bias), 23)));
+    return _mm256_blendv_ps(p, _mm256_set1_ps(std::numeric_limits<float>::infinity()), over);
+}
+#endif
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -206,7 +234,7 @@ inline void block_vec(const float* qg, const T* kp, const T* vp, int64_t tok_str
 // The AVX2 twin of the AVX-512 block, for D % 8 == 0. Without it such CPUs took the scalar
 // path, whose dot products are one dependent add per element (no reassociation without
 // -ffast-math): on a 2-core Zen 2 that was ~9% of a SmolLM2 batch-1 decode step at a few
-// hundred tokens of context. Probabilities go through std::exp one at a time.
+// hundred tokens of context. Probabilities go through exp8, exp16's polynomial on 8 lanes.
 template <typename T>
 inline void block_vec(const float* qg, const T* kp, const T* vp, int64_t tok_stride,
                       const float* ksp, const float* vsp, int64_t sc_stride,
@@ -232,8 +260,22 @@ inline void block_vec(const float* qg, const T* kp, const T* vp, int64_t tok_str
         float mx = m[g];
         for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, s[t]);
         const float alpha = std::exp(m[g] - mx);
-        float sum = 0.f;
-        for (int64_t t = t0; t < t1; ++t) sum += (s[t] = std::exp(s[t] - mx));
+        const __m256 mv = _mm256_set1_ps(mx);
+        __m256 sv = _mm256_setzero_ps();
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+            sv = _mm256_add_ps(sv, p);
+            _mm256_storeu_ps(s + t, p);
+        }
+        float sum = hsum8(sv);
+        if (t < t1) {  // the tail through a zero-padded block of 8
+            alignas(32) float tail[8] = {0.f};
+            const int64_t n = t1 - t;
+            for (int64_t i = 0; i < n; ++i) tail[i] = s[t + i];
+            _mm256_store_ps(tail, exp8(_mm256_sub_ps(_mm256_load_ps(tail), mv)));
+            for (int64_t i = 0; i < n; ++i) sum += (s[t + i] = tail[i]);
+        }
         l[g] = l[g] * alpha + sum;
         m[g] = mx;
         if (alpha != 1.f) {
@@ -274,20 +316,28 @@ void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 o
     // time would pull whole rows through the cache for a slice of each); sequences are split
     // by heads only when there are too few of them to keep every thread busy.
     const int64_t threads = at::get_num_threads();
-    // grows through kvH's divisors (3 kv heads: 1 -> 3) until there are 2 items a thread
-    int64_t split = 1;
+    // grows through kvH's divisors (3 kv heads: 1 -> 3) until there are 2 items a thread;
+    // then, one kv head an item and still too few, through G's divisors: an item takes a
+    // subgroup of the head's query heads (it reads the head's K/V rows again, from cache).
+    // At batch 1 with 3 kv heads of 3 queries, 2 threads split 5:4 instead of 2:1. Every query
+    // head's arithmetic is the same whichever item computes it.
+    int64_t split = 1, gsplit = 1;
     for (int64_t s = 2; s <= kvH && b * split < 2 * threads; ++s)
         if (kvH % s == 0) split = s;
-    const int64_t hn = kvH / split;
-    at::parallel_for(0, b * split, 1, [&](int64_t w0, int64_t w1) {
-        std::vector<float> qg(hn * G * D), acc(hn * G * D), m(hn * G), l(hn * G),
-            sc(G * bs + 16), row(D);
+    for (int64_t s = 2; split == kvH && s <= G && b * kvH * gsplit < 2 * threads; ++s)
+        if (G % s == 0) gsplit = s;
+    const int64_t hn = kvH / split, gn = G / gsplit, per_seq = split * gsplit;
+    at::parallel_for(0, b * per_seq, 1, [&](int64_t w0, int64_t w1) {
+        std::vector<float> qg(hn * gn * D), acc(hn * gn * D), m(hn * gn), l(hn * gn),
+            sc(gn * bs + 16), row(D);
         for (int64_t w = w0; w < w1; ++w) {
-            const int64_t i = w / split, h0 = (w % split) * hn;
+            const int64_t i = w / per_seq, h0 = (w % per_seq) / gsplit * hn;
+            const int64_t g0 = (w % gsplit) * gn;  // the item's first query of each kv head
             const int64_t ctx = lens[i];
             const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-            for (int64_t x = 0; x < hn * G; ++x) {
-                const Q* qr = q + i * q_s0 + (h0 * G + x) * q_s1;
+            for (int64_t x = 0; x < hn * gn; ++x) {
+                const int64_t head = (h0 + x / gn) * G + g0 + x % gn;
+                const Q* qr = q + i * q_s0 + head * q_s1;
                 for (int64_t d = 0; d < D; ++d) qg[x * D + d] = static_cast<float>(qr[d]) * scale;
                 m[x] = -std::numeric_limits<float>::infinity();
                 l[x] = 0.f;
@@ -303,22 +353,22 @@ void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 o
                     const T* vp = vc + blk * c_s0 + h * c_s2;
                     const float* ksp = ks ? ks + blk * s_s0 + h * s_s2 : nullptr;
                     const float* vsp = vs ? vs + blk * s_s0 + h * s_s2 : nullptr;
-                    float* qh = qg.data() + hh * G * D;
-                    float* ah = acc.data() + hh * G * D;
+                    float* qh = qg.data() + hh * gn * D;
+                    float* ah = acc.data() + hh * gn * D;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
                     if (vec) {
-                        block_vec(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, G, D, bs,
-                                     ah, m.data() + hh * G, l.data() + hh * G, sc.data());
+                        block_vec(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, gn, D, bs,
+                                     ah, m.data() + hh * gn, l.data() + hh * gn, sc.data());
                         continue;
                     }
 #endif
-                    block_scalar(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, G, D, bs,
-                                 ah, m.data() + hh * G, l.data() + hh * G, sc.data(),
+                    block_scalar(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, gn, D, bs,
+                                 ah, m.data() + hh * gn, l.data() + hh * gn, sc.data(),
                                  row.data());
                 }
             }
-            for (int64_t x = 0; x < hn * G; ++x) {
-                Q* o = out + (i * H + h0 * G + x) * D;
+            for (int64_t x = 0; x < hn * gn; ++x) {
+                Q* o = out + (i * H + (h0 + x / gn) * G + g0 + x % gn) * D;
                 const float inv = 1.f / l[x];
                 for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[x * D + d] * inv);
             }

@@ -312,3 +312,49 @@ def test_a_pool_tp_size_meets_the_engines_own_role_check_at_start(make_tiny_mode
     with pytest.raises(ValueError) as got:
         ServeSettings(model=model, **{f"{role}_tp": 3}).check_tp()
     assert str(got.value).startswith(f"--{role}-tp 3: ")
+
+
+def _race_ready_file(tmp_path, write) -> int:
+    """Times a reader that polls for the ready file (as bench/live_server.py does) read it
+    before it was whole, over 100 writes of a large payload by `write`."""
+    import json
+    import threading
+
+    path = tmp_path / "ready.json"
+    payload = {"url": "http://127.0.0.1:1", "pid": 1, "pad": "x" * 1_000_000}
+    torn, done = [0], threading.Event()
+
+    def reader():
+        while not done.is_set():
+            if path.exists():
+                try:
+                    json.loads(path.read_text())
+                except FileNotFoundError:
+                    pass  # unlinked for the next write between exists() and the read
+                except ValueError:
+                    torn[0] += 1
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for _ in range(100):
+            path.unlink(missing_ok=True)
+            write(str(path), payload)
+    finally:
+        done.set()
+        t.join()
+    return torn[0]
+
+
+def test_ready_file_is_never_seen_half_written(tmp_path):
+    import json
+
+    from cluster.serve import write_ready_file
+
+    def plain(path, payload):  # what serve did before: open, then write
+        with open(path, "w") as f:
+            json.dump(payload, f)
+
+    assert _race_ready_file(tmp_path, plain) > 0  # the race exists, and this sees it
+    assert _race_ready_file(tmp_path, write_ready_file) == 0
+    assert not list(tmp_path.glob("*.tmp"))

@@ -89,6 +89,31 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, bs, wi
 
 
 @needs_ops
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (6, 1), (8, 8)])
+def test_paged_decode_batch_one_same_at_any_thread_count(heads, kv_heads):
+    """At batch 1 the work splits over kv heads, then over query subgroups, as threads allow
+    (9 queries on 3 kv heads: 9 items at 2 threads): each query head's result must not depend
+    on which item computed it."""
+    g = torch.Generator().manual_seed(heads)
+    kc, vc, _, _ = _cache(8, 16, kv_heads, 64, torch.bfloat16, g)
+    q = torch.randn(1, heads, 64, generator=g, dtype=torch.float32)
+    tables = torch.tensor([[3, 0, 6, 1]], dtype=torch.int64)
+    lens = torch.tensor([53], dtype=torch.int64)
+    ref = paged_decode.reference(q, kc, vc, None, None, tables, lens, 0.125, 0)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 3, 4):
+            torch.set_num_threads(threads)
+            outs.append(OPS.paged_decode(q, kc, vc, None, None, tables, lens, 0.125, 0))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], ref, rtol=2e-5, atol=2e-5)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@needs_ops
 def test_paged_decode_strided_queries_and_bad_input():
     g = torch.Generator().manual_seed(1)
     kc, vc, _, _ = _cache(6, 16, 2, 64, torch.float32, g)
@@ -223,7 +248,7 @@ needs_fused = needs_ops
 
 @needs_fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 512), (33, 96)])
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (7, 512), (33, 96), (2, 100)])
 def test_fused_add_rms_norm_matches_hf_math(dtype, rows, hidden):
     from engine.kernels import fused
 
@@ -259,5 +284,14 @@ def test_fused_rope_and_silu_mul_match_torch(dtype):
     torch.testing.assert_close(
         OPS.silu_mul(gu).float(), fused.reference_silu_mul(gu).float(), rtol=tol, atol=tol
     )
+    # Vector blocks of 8 and a tail (I = 37), and the exponential's edges: e^-g overflows
+    # to inf for g < -88.72 (silu -> -0, as torch's), underflows for large g, NaN stays NaN.
+    edges = [-1e4, -100.0, -88.8, -88.7, -87.5, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 1e4]
+    gate = torch.tensor(edges * 3 + [float("nan")], dtype=torch.float32)
+    gu = torch.cat([gate, torch.linspace(-3, 3, gate.numel())])[None].to(dtype)
+    torch.testing.assert_close(
+        OPS.silu_mul(gu).float(), fused.reference_silu_mul(gu).float(), rtol=tol, atol=tol,
+        equal_nan=True,
+    )  # fmt: skip
     with pytest.raises(RuntimeError):
         OPS.silu_mul(gu.to(torch.float16))
