@@ -11,7 +11,7 @@ kernel walks the block table instead and reads each K/V row once, where it lies:
 
 Everything is accumulated in fp32 (bf16 widened by a shift, FP8 e4m3 through a 256-entry
 table times the per-token scale), so the result matches the reference up to summation order.
-Work is split over (sequence, kv heads[, query subgroup]) items with `at::parallel_for`.
+Work is split over (sequence, kv head) pairs with `at::parallel_for`.
 
 Built by `engine.kernels` with the other CPU kernels; `check()` compares it with `reference`
 before the engine uses it. With AVX-512 (D % 16 == 0) or AVX2 + FMA (D % 8 == 0) the inner
@@ -316,28 +316,23 @@ void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 o
     // time would pull whole rows through the cache for a slice of each); sequences are split
     // by heads only when there are too few of them to keep every thread busy.
     const int64_t threads = at::get_num_threads();
-    // grows through kvH's divisors (3 kv heads: 1 -> 3) until there are 2 items a thread;
-    // then, one kv head an item and still too few, through G's divisors: an item takes a
-    // subgroup of the head's query heads (it reads the head's K/V rows again, from cache).
-    // At batch 1 with 3 kv heads of 3 queries, 2 threads split 5:4 instead of 2:1. Every query
-    // head's arithmetic is the same whichever item computes it.
-    int64_t split = 1, gsplit = 1;
+    // grows through kvH's divisors (3 kv heads: 1 -> 3) until there are 2 items a thread
+    // (not further: items taking a subgroup of a kv head's query heads each widen its K/V
+    // rows again, most of an item's work; at batch 1 on 3 kv heads, 9 such items on 2 threads
+    // ran no faster than 1 thread).
+    int64_t split = 1;
     for (int64_t s = 2; s <= kvH && b * split < 2 * threads; ++s)
         if (kvH % s == 0) split = s;
-    for (int64_t s = 2; split == kvH && s <= G && b * kvH * gsplit < 2 * threads; ++s)
-        if (G % s == 0) gsplit = s;
-    const int64_t hn = kvH / split, gn = G / gsplit, per_seq = split * gsplit;
-    at::parallel_for(0, b * per_seq, 1, [&](int64_t w0, int64_t w1) {
-        std::vector<float> qg(hn * gn * D), acc(hn * gn * D), m(hn * gn), l(hn * gn),
-            sc(gn * bs + 16), row(D);
+    const int64_t hn = kvH / split;
+    at::parallel_for(0, b * split, 1, [&](int64_t w0, int64_t w1) {
+        std::vector<float> qg(hn * G * D), acc(hn * G * D), m(hn * G), l(hn * G),
+            sc(G * bs + 16), row(D);
         for (int64_t w = w0; w < w1; ++w) {
-            const int64_t i = w / per_seq, h0 = (w % per_seq) / gsplit * hn;
-            const int64_t g0 = (w % gsplit) * gn;  // the item's first query of each kv head
+            const int64_t i = w / split, h0 = (w % split) * hn;
             const int64_t ctx = lens[i];
             const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-            for (int64_t x = 0; x < hn * gn; ++x) {
-                const int64_t head = (h0 + x / gn) * G + g0 + x % gn;
-                const Q* qr = q + i * q_s0 + head * q_s1;
+            for (int64_t x = 0; x < hn * G; ++x) {
+                const Q* qr = q + i * q_s0 + (h0 * G + x) * q_s1;
                 for (int64_t d = 0; d < D; ++d) qg[x * D + d] = static_cast<float>(qr[d]) * scale;
                 m[x] = -std::numeric_limits<float>::infinity();
                 l[x] = 0.f;
@@ -353,22 +348,22 @@ void decode(const Q* q, int64_t q_s0, int64_t q_s1,        // q [b, H, D] fp32 o
                     const T* vp = vc + blk * c_s0 + h * c_s2;
                     const float* ksp = ks ? ks + blk * s_s0 + h * s_s2 : nullptr;
                     const float* vsp = vs ? vs + blk * s_s0 + h * s_s2 : nullptr;
-                    float* qh = qg.data() + hh * gn * D;
-                    float* ah = acc.data() + hh * gn * D;
+                    float* qh = qg.data() + hh * G * D;
+                    float* ah = acc.data() + hh * G * D;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
                     if (vec) {
-                        block_vec(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, gn, D, bs,
-                                     ah, m.data() + hh * gn, l.data() + hh * gn, sc.data());
+                        block_vec(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, G, D, bs,
+                                     ah, m.data() + hh * G, l.data() + hh * G, sc.data());
                         continue;
                     }
 #endif
-                    block_scalar(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, gn, D, bs,
-                                 ah, m.data() + hh * gn, l.data() + hh * gn, sc.data(),
+                    block_scalar(qh, kp, vp, c_s1, ksp, vsp, s_s1, t0, t1, G, D, bs,
+                                 ah, m.data() + hh * G, l.data() + hh * G, sc.data(),
                                  row.data());
                 }
             }
-            for (int64_t x = 0; x < hn * gn; ++x) {
-                Q* o = out + (i * H + (h0 + x / gn) * G + g0 + x % gn) * D;
+            for (int64_t x = 0; x < hn * G; ++x) {
+                Q* o = out + (i * H + h0 * G + x) * D;
                 const float inv = 1.f / l[x];
                 for (int64_t d = 0; d < D; ++d) o[d] = static_cast<Q>(acc[x * D + d] * inv);
             }

@@ -151,3 +151,23 @@ def test_cpu_decode_compares_the_routings_against_the_read_bound(make_tiny_model
     bw = r["read_bandwidth_bytes_per_s"]
     assert bw["best"] == max(bw["plain_pages"], bw["huge_pages"])  # the strict bound
     assert r["bound_s"] == pytest.approx(r["step_bytes"] / bw["best"])
+
+
+def test_cpu_ops_ab_times_every_op_of_a_tree():
+    """The per-tree half of benchmarks/cpu_ops_ab.py (what each child process runs) on this
+    tree; the A/B itself builds another commit's kernels (a minute), run by hand."""
+    from engine.kernels import ops
+
+    if ops() is None:
+        pytest.skip("no CPU kernels on this machine (no compiler)")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import cpu_ops_ab
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    times = cpu_ops_ab.measure([1])
+    ops_timed = {"silu_mul", "add_rms_norm", "rope_"} | {
+        f"attention ctx {c}" for c in cpu_ops_ab.CONTEXTS
+    }
+    assert set(times) == {f"1T {op}" for op in ops_timed}
+    assert all(t > 0 for t in times.values())

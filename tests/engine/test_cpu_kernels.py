@@ -91,9 +91,8 @@ def test_paged_decode_matches_reference(dtype, heads, kv_heads, head_dim, bs, wi
 @needs_ops
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (6, 1), (8, 8)])
 def test_paged_decode_batch_one_same_at_any_thread_count(heads, kv_heads):
-    """At batch 1 the work splits over kv heads, then over query subgroups, as threads allow
-    (9 queries on 3 kv heads: 9 items at 2 threads): each query head's result must not depend
-    on which item computed it."""
+    """At batch 1 the work splits over the kv heads as threads allow (3 kv heads: one item
+    at 1 thread, three at 2): each query head's result must not depend on the split."""
     g = torch.Generator().manual_seed(heads)
     kc, vc, _, _ = _cache(8, 16, kv_heads, 64, torch.bfloat16, g)
     q = torch.randn(1, heads, 64, generator=g, dtype=torch.float32)
