@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 
 from cluster.settings import ServeSettings
@@ -41,6 +42,7 @@ class Deployment:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started_ray = False
+        self._model_info: Future | None = None
 
     @property
     def url(self) -> str:
@@ -64,6 +66,7 @@ class Deployment:
 
         if not self.s.router_only:
             self.s.check_tp()  # a TP size the model cannot split: refused before Ray starts
+        self._model_info = self._read_model_info_meanwhile()
         self._init_ray()
         t0 = time.perf_counter()
         if self.s.router_only:
@@ -94,6 +97,25 @@ class Deployment:
             flush=True,
         )
         return self
+
+    def _read_model_info_meanwhile(self) -> Future:
+        """The router's tokenizer and model info, read on a thread of its own while Ray and
+        the workers start: reading them (transformers' import, AutoTokenizer, AutoConfig)
+        takes seconds of this process's CPU, which the start otherwise spends waiting on
+        other processes. A reading error surfaces where the router starts, as before."""
+        from router.server import load_model_info
+
+        config = self.s.router_config(bind_host="127.0.0.1")  # the bind plays no part here
+        future: Future = Future()
+
+        def read() -> None:
+            try:
+                future.set_result(load_model_info(config))
+            except BaseException as e:  # handed to the router's start below
+                future.set_exception(e)
+
+        threading.Thread(target=read, name="tandem-model-info", daemon=True).start()
+        return future
 
     def _autoscale_args(self, spec: WorkerSpec) -> dict | None:
         """What the controller's autoscaler needs (plain dicts), or None without --autoscale."""
@@ -203,7 +225,8 @@ class Deployment:
 
             bind = ray.util.get_node_ip_address()
         config = s.router_config(bind)
-        self.router = RouterServer(config, ControllerDirectory(self.controller))
+        info = self._model_info.result() if self._model_info is not None else None
+        self.router = RouterServer(config, ControllerDirectory(self.controller), info)
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
         errors: list[BaseException] = []

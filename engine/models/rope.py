@@ -1,6 +1,16 @@
-"""Rotary position embedding tables, taken from the architecture's own Hugging Face rotary
-class so every rope variant in a config (default, linear, llama3, yarn, ...) matches the
-reference exactly. Tables are built once for all positions, in float32, as HF does."""
+"""Rotary position embedding tables, equal bit for bit to the architecture's own Hugging Face
+rotary class, so every rope variant in a config (default, linear, llama3, yarn, ...) matches the
+reference exactly. Tables are built once for all positions, in float32, as HF does.
+
+Where the config names its rope in transformers 5's form (`rope_parameters`) and the variant's
+frequencies do not change with the sequence length, the tables are computed here with the
+class's own arithmetic: its inverse frequencies (the default formula, or transformers'
+`ROPE_INIT_FUNCTIONS` for the named variant), then `position * inv_freq`, both halves, cos
+and sin times the variant's attention scaling. That spares each worker process the import of
+the architecture's modeling module (~1.8 s of CPU on a 2-core box, on every worker start);
+tests/engine/test_rope.py holds the two bit-equal for every architecture and variant. Any other
+config (dynamic or longrope, whose forward rescales by length; transformers 4's keys) is built
+by the HF class itself."""
 
 from __future__ import annotations
 
@@ -14,10 +24,38 @@ _ROTARY_CLASSES = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2RotaryEmbedding"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3RotaryEmbedding"),
 }
+# Variants whose forward changes the frequencies with the sequence length (HF's
+# `dynamic_rope_update`): the class builds those.
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
 def rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
     """(cos, sin) of shape [max_position, head_dim] in float32."""
+    params = getattr(hf_config, "rope_parameters", None)
+    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else None
+    if rope_type is None or any(t in rope_type for t in _LENGTH_DEPENDENT):
+        return hf_rope_tables(hf_config, architecture, max_position, head_dim)
+    inv_freq, scaling = _inverse_frequencies(hf_config, rope_type)
+    positions = torch.arange(max_position, dtype=torch.long)[:, None].float()
+    freqs = positions * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).contiguous(), (emb.sin() * scaling).contiguous()
+
+
+def _inverse_frequencies(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
+    """The rotary class's `rope_init_fn(config)`: its default formula, or the variant's."""
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    base = hf_config.rope_parameters["rope_theta"]
+    cfg = hf_config
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def hf_rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
+    """The tables from the architecture's HF rotary class (the reference)."""
     module, name = _ROTARY_CLASSES[architecture]
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     with torch.device("cpu"):
