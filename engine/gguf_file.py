@@ -6,6 +6,9 @@ template and the weights. What reads it:
   with `gguf_file=`), plus what they leave out (`_fix_config`: the head size, llama-3 rope
   scaling), saved once per file version as a folder that every later reader loads in ~0.2 s
   (`converted_metadata`); `hf_source(path)` points transformers at it (engine/model_info.py);
+  the folder also holds the file's tensor index, so a worker maps its weights without
+  parsing the metadata again (`gguf.GGUFReader` reads every field: ~8 s of CPU per process
+  for a 49k-token vocabulary);
 - the weights: `GGUFCheckpoint`, which engine/loader.py reads like a safetensors checkpoint
   (`where`, `get`): each tensor is dequantized to float32 by the `gguf` package's own
   `dequantize` (no dequantizer of ours), named as transformers names it (`gguf`'s
@@ -13,7 +16,7 @@ template and the weights. What reads it:
   architecture the q/k rows are put back in transformers' rotary order (llama.cpp's converter
   interleaves them).
 
-Before transformers reads anything, `check_gguf` opens the file and checks the fields a
+Before transformers first reads a file version, `check_gguf` opens it and checks the fields a
 config is built from: transformers fills a missing field with the architecture's default (a
 missing head count would quietly become 32), so a damaged or unsupported file must fail here,
 with the file and the field or tensor named.
@@ -24,9 +27,11 @@ Importing this module does not import `gguf` or torch (the router imports model_
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,8 @@ REQUIRED_FIELDS = (
     "attention.head_count",
 )
 COMPLETE_MARKER = ".complete"  # written last into a converted metadata folder
+TENSOR_INDEX = "gguf_tensors.json"  # in that folder: where each tensor lies in the file
+FOLDER_FORMAT = "t1"  # in the folder's name: folders made before the tensor index are not read
 # Tensors llama.cpp stores that transformers computes from the config instead (llama-3's
 # scaled rotary frequencies): read past, not loaded.
 DERIVED_TENSORS = ("rope_freqs.weight",)
@@ -79,17 +86,21 @@ def cache_root() -> Path:
 
 def converted_metadata(path: str) -> Path:
     """A folder holding the GGUF file's config.json and tokenizer, as transformers' GGUF
-    readers build them (with `_fix_config`'s corrections), made once per file version.
+    readers build them (with `_fix_config`'s corrections), and the file's tensor index
+    (`_write_tensor_index`), made once per file version.
 
     Why a folder: those readers parse every metadata field, the whole vocabulary included,
     which takes ~10 s for a 49k-token vocabulary, and the router, each worker and `LLM` all
     ask; saved once, every later reader takes ~0.2 s. The folder is named by the file's name,
-    size and mtime, written under a temporary name and renamed (processes race at start-up)."""
-    arch = check_gguf(path)
-    st = os.stat(path)
-    out = cache_root() / f"{Path(path).name}-{st.st_size}-{st.st_mtime_ns}"
+    size and mtime, written under a temporary name and renamed (processes race at start-up).
+    An existing folder is the file's check passed (`check_gguf` ran before it was made), so
+    the file is not parsed again."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    out = _converted_folder(path)
     if (out / COMPLETE_MARKER).is_file():
         return out
+    arch = check_gguf(path)
     from transformers import AutoConfig, AutoTokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,6 +116,7 @@ def converted_metadata(path: str) -> Path:
         (tmp / name).unlink()
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        _write_tensor_index(tmp, _reader(path), path, arch)
         (tmp / COMPLETE_MARKER).write_text(path + "\n")
         os.rename(tmp, out)
     except OSError:
@@ -113,6 +125,57 @@ def converted_metadata(path: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _converted_folder(path: str) -> Path:
+    st = os.stat(path)
+    return cache_root() / f"{Path(path).name}-{st.st_size}-{st.st_mtime_ns}-{FOLDER_FORMAT}"
+
+
+def _write_tensor_index(folder: Path, reader, path: str, arch: str) -> None:
+    """Where each tensor lies in the file (`TENSOR_INDEX`), so that a worker maps its weights
+    without parsing the metadata again (`GGUFReader` reads every field, the vocabulary
+    included: ~8 s of CPU per process for SmolLM2). Not written for a file of the other byte
+    order (its tensors are read through the reader)."""
+    if reader.byte_order != "I":
+        return
+    tensors = [
+        [t.name, int(t.tensor_type), int(t.data_offset), t.data.dtype.str, int(t.data.size)]
+        + [list(t.data.shape)]
+        for t in reader.tensors
+    ]
+    index = {"arch": arch, "block_count": _field(reader, path, f"{arch}.block_count")}
+    (folder / TENSOR_INDEX).write_text(json.dumps({**index, "tensors": tensors}))
+
+
+@dataclass(frozen=True)
+class MappedTensor:
+    """A tensor of the file as `GGUFReader` gives it (name, type, data: a view of the mapped
+    file, shaped as the reader shapes it), read from the tensor index."""
+
+    name: str
+    tensor_type: Any
+    data: Any
+
+
+def _indexed_tensors(path: str) -> tuple[str, int, list[MappedTensor]] | None:
+    """(architecture, block count, tensors) from the converted folder's index, or None."""
+    index_file = _converted_folder(path) / TENSOR_INDEX
+    if not index_file.is_file():
+        return None
+    import gguf
+    import numpy as np
+
+    index = json.loads(index_file.read_text())
+    data = np.memmap(path, mode="r")
+    tensors = []
+    for name, qtype, offset, dtype, count, shape in index["tensors"]:
+        end = offset + np.dtype(dtype).itemsize * count
+        if end > data.size:
+            raise GGUFError(f"{path}: tensor {name!r} runs past the end of the file")
+        view = data[offset:end].view(dtype).reshape(shape)
+        tensors.append(MappedTensor(name, gguf.GGMLQuantizationType(qtype), view))
+    return index["arch"], index["block_count"], tensors
 
 
 def _fix_config(config: Any, reader, path: str, arch: str) -> None:
@@ -264,11 +327,16 @@ class GGUFCheckpoint:
         import gguf
 
         self.path = path
-        self.arch = arch = check_gguf(path)
-        self.reader = _reader(path)
+        indexed = _indexed_tensors(path)
+        if indexed is None:
+            self.arch = arch = check_gguf(path)
+            reader = _reader(path)
+            n_blocks, tensors = _field(reader, path, f"{arch}.block_count"), reader.tensors
+        else:
+            arch, n_blocks, tensors = indexed
+            self.arch = arch
         self.heads = {"attn_q": num_heads, "attn_k": num_kv_heads}
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
-        n_blocks = _field(self.reader, path, f"{arch}.block_count")
         names = gguf.get_tensor_name_map(arch_enum, n_blocks)
         to_hf = {}
         for hf_name in hf_names:
@@ -277,7 +345,7 @@ class GGUFCheckpoint:
                 to_hf[gguf_name] = hf_name
         self.tensors = {}
         self.where: dict[str, str] = {}
-        for t in self.reader.tensors:
+        for t in tensors:
             if t.name in DERIVED_TENSORS:
                 continue
             hf_name = to_hf.get(t.name)

@@ -93,6 +93,34 @@ def test_q8_0_gguf_token_exact_with_transformers_on_the_same_file(gguf_of):
         assert ids == _hf_greedy(model, tok, prompt), prompt
 
 
+@pytest.mark.parametrize("tensor_type", ["F32", "Q8_0"])
+def test_a_converted_file_loads_from_its_tensor_index_without_parsing(
+    gguf_of, monkeypatch, tensor_type
+):
+    """Once a file version is converted, loading it parses its metadata no more (GGUFReader
+    reads every field, the whole vocabulary included: ~8 s of CPU per process for SmolLM2):
+    the converted folder's tensor index maps the same tensors, type and bytes, and `LLM`
+    gives the same tokens with the reader made to fail."""
+    from engine import gguf_file
+
+    path = gguf_of("llama", tensor_type)
+    want = _tandem_greedy(path, PROMPTS[:1])  # converts the file (if not yet) and loads it
+    reader = gguf.GGUFReader(path)
+    arch, n_blocks, tensors = gguf_file._indexed_tensors(str(path))
+    assert (arch, n_blocks) == ("llama", reader.fields["llama.block_count"].contents())
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for mine, ref in zip(tensors, reader.tensors, strict=True):
+        assert mine.tensor_type == ref.tensor_type and mine.data.shape == ref.data.shape
+        assert mine.data.dtype == ref.data.dtype and (mine.data == ref.data).all(), mine.name
+
+    def refuse(*args):
+        raise AssertionError("the GGUF file was parsed again")
+
+    gguf_file._open_reader.cache_clear()
+    monkeypatch.setattr(gguf_file, "_open_reader", refuse)
+    assert _tandem_greedy(path, PROMPTS[:1]) == want
+
+
 # ------------------------------------------------------------------ damaged and unsupported files
 
 
