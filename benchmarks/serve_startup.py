@@ -2,14 +2,16 @@
 
 Every live test, every `make demo` and every replacement worker pays a start: Ray up, the
 controller, each worker's imports, model and KV agent, the router's tokenizer. This starts
-`tandem serve --prefill 1 --decode 1` on the tiny llama (fp32, CPU, `--num-cpus 2`) for this
+`tandem serve --prefill 1 --decode 1` (fp32, CPU, `--num-cpus 2`) on the tiny llama, or with
+`--model smollm2` on SmolLM2-135M-Instruct's GGUF file (`tandem fetch-model`), for this
 tree and for `--ref` (materialized with `git archive` into a temporary folder, run with
 `PYTHONPATH` and cwd naming it), rounds alternated and the order flipped each round, and
 times from the process start to its ready file (`--ready-file`), then stops it (SIGTERM) and
 checks it exited 0. One unmeasured start per tree first (files cached, kernels built).
 Prints each tree's times, the medians and new / ref per round.
 
-Usage: `python benchmarks/serve_startup.py [--ref REV] [--rounds 5] [--json OUT]`.
+Usage: `python benchmarks/serve_startup.py [--ref REV] [--model tiny|smollm2] [--rounds 5]
+[--json OUT]`.
 """
 
 from __future__ import annotations
@@ -69,12 +71,18 @@ def materialize(ref: str, into: Path) -> Path:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref", default="64ee8d3", help="the commit to compare against")
+    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from tools.make_model import cached_model
+    if args.model == "smollm2":
+        from tools.real_model import fetch_model
 
-    model = str(cached_model("llama", "tiny"))
+        model = str(fetch_model("smollm2"))
+    else:
+        from tools.make_model import cached_model
+
+        model = str(cached_model("llama", "tiny"))
     with tempfile.TemporaryDirectory(prefix="tandem-startup-") as tmp:
         trees = {"new": REPO, "ref": materialize(args.ref, Path(tmp) / "ref")}
         work = {name: Path(tmp) / f"run-{name}" for name in trees}
@@ -99,7 +107,8 @@ def main(argv=None) -> int:
         f"{med['new'] / med['ref']:.2f}"
     )
     if args.json:
-        result = {"ref": args.ref, "flags": FLAGS, "seconds": times, "median_s": med}
+        result = {"ref": args.ref, "model": model, "flags": FLAGS, "seconds": times}
+        result["median_s"] = med
         write_json(args.json, {**result, "ratios": ratios, "machine": machine_info(2)})
     return 0
 
