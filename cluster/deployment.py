@@ -4,7 +4,8 @@ Lifecycle: Ray up -> controller (named, restartable actor; its registry is rebui
 named worker actors if Ray restarts it) -> N prefill + M decode actors (or K colocated
 replicas), each loading the model and binding its sockets, restartable by Ray (a replacement
 is a new incarnation the controller re-registers) -> registered with the controller -> router
-listening -> serving.
+listening -> serving. The router's tokenizer and model info are read on a thread of their own
+from the start, while Ray and the workers come up (`_read_model_info_meanwhile`).
 
 Ending it: `drain()` first (the router refuses new requests with 503 and `/ready` says so,
 in-flight requests finish up to a timeout, then every worker gets idle: leases read or
