@@ -90,9 +90,16 @@ class Autoscaler:
             if state == "draining" or wid in self.draining:
                 bucket = counts.draining
             bucket[pool] += 1
-        for role, _ in self.starting.values():
+        for role, _ in self._unregistered_starts().values():
             counts.starting[pool_of[role]] += 1
         return counts
+
+    def _unregistered_starts(self) -> dict[str, tuple[str, asyncio.Task]]:
+        """Starts whose worker is not in the registry yet. A launch registers its worker and
+        then awaits the controller's peer push and first poll before it leaves `starting`:
+        in that window the worker is READY already, and counting it twice once made the
+        planner see 3 of a 2-worker pool and cancel (kill) the worker it had just started."""
+        return {w: s for w, s in self.starting.items() if w not in self.controller.workers}
 
     def window(self, now: float) -> WindowSignals:
         """The interval's traffic as the routers saw it; worker-side numbers from the
@@ -189,7 +196,7 @@ class Autoscaler:
 
     def _remove_one(self, role: str) -> None:
         """Cancel the newest start of `role`, else drain its least loaded READY worker."""
-        starting = [wid for wid, (r, _) in self.starting.items() if r == role]
+        starting = [wid for wid, (r, _) in self._unregistered_starts().items() if r == role]
         if starting:
             wid = max(starting, key=_index)
             self.starting.pop(wid)[1].cancel()

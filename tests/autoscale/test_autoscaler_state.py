@@ -81,6 +81,33 @@ def test_pool_counts_treat_down_workers_as_coming_back():
     assert counts.draining == {"prefill": 0, "decode": 1}
 
 
+def test_a_start_that_has_registered_counts_once_and_is_not_cancelled():
+    """A launch registers its worker, then awaits the controller's first poll before it
+    leaves `starting`: the worker is READY and still starting in that window. Counted twice,
+    a pool of 2 looked like 3 and the planner's bound (max 2) cancelled the start, killing the
+    worker it had just started (the live autoscale test failed so)."""
+
+    async def run() -> tuple[Autoscaler, asyncio.Task]:
+        reg = Registry({"prefill-0": _worker("prefill"), "prefill-1": _worker("prefill")})
+        reg.workers["decode-0"] = _worker("decode")
+        scaler = Autoscaler(reg, _args(), Fixed({"prefill": 2, "decode": 1}))
+        launch = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        scaler.starting["prefill-1"] = ("prefill", launch)
+        counts = scaler.pool_counts()
+        assert counts.ready["prefill"] == 2 and counts.starting["prefill"] == 0
+        await scaler.tick(100.0)
+        assert not launch.cancelled() and reg.drained == []
+        # Scaling that pool down drains a READY worker; the registered start is not cancelled.
+        scaler.policy = Fixed({"prefill": 1, "decode": 1})
+        await scaler.tick(200.0)
+        await asyncio.gather(*scaler.draining.values())
+        launch.cancel()
+        return scaler, reg
+
+    _, reg = asyncio.run(run())
+    assert len(reg.drained) == 1 and reg.drained[0].startswith("prefill-")
+
+
 def test_scale_down_drains_the_least_loaded_worker_and_new_ids_do_not_clash():
     async def run() -> Registry:
         reg = Registry(
