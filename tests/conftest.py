@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -18,6 +19,45 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # it must be set before triton is first imported. On a CUDA machine they compile for the GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# xdist's workers (`make test` runs two) share the box's cores: each worker's own torch at
+# one thread per core would oversubscribe them, and OpenMP threads that spin waiting for each
+# other on a shared core slow every op down. Each takes its share; a test that measures
+# threads sets its own count, and the servers a test starts set theirs (cluster/worker_actor).
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `-n N`, a file (or a package sharing one live server) is one unit of work, and
+    the longest units start first (tests/xdist_scopes.py)."""
+    from xdist_scopes import FileOrPackageScheduling
+
+    return FileOrPackageScheduling(config, log)
+
+
+def _session_dir(tmp_path_factory, name: str) -> Path:
+    """A folder of this session's temporary directory that every xdist worker shares (each
+    worker has a directory of its own under the session's): a checkpoint one worker made is
+    found by the others. `cached_model` renames a finished checkpoint into place in one step,
+    so two workers making the same one at once both end with a whole one."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder = base / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _one_maker_at_a_time(root: Path, key: str, make):
+    """`make()` under a lock named by `key` in `root`: a worker asking for a checkpoint
+    another is making waits for it (training one is ~10 s of CPU) instead of making it too."""
+    import fcntl
+
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return make()
 
 
 @pytest.fixture(scope="session")
@@ -26,10 +66,11 @@ def make_tiny_model(tmp_path_factory):
     temporary directory (never the user's cache, so a test cannot read a stale model)."""
     from tools.make_model import cached_model
 
-    root = tmp_path_factory.mktemp("models")
+    root = _session_dir(tmp_path_factory, "models")
 
     def get(arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
-        return cached_model(arch, preset, seed, cache_dir=root)
+        make = functools.partial(cached_model, arch, preset, seed, cache_dir=root)
+        return _one_maker_at_a_time(root, f"{arch}-{preset}-{seed}", make)
 
     return get
 
@@ -45,10 +86,11 @@ def make_trained_model(tmp_path_factory):
     the tokenizer corpus, made once per session (about 10 s per arch on an idle 2-core box)."""
     from tools.make_model import cached_model
 
-    root = tmp_path_factory.mktemp("trained-models")
+    root = _session_dir(tmp_path_factory, "trained-models")
 
     def get(arch: str = "llama") -> Path:
-        return cached_model(arch, "tiny", 0, cache_dir=root, train_steps=TRAIN_STEPS)
+        make = functools.partial(cached_model, arch, "tiny", 0, cache_dir=root)
+        return _one_maker_at_a_time(root, arch, functools.partial(make, train_steps=TRAIN_STEPS))
 
     return get
 
