@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampler import _filter
+from engine.sampler import _filter, argmax_rows
 
 
 def test_filter_top_k_and_top_p():
@@ -17,6 +17,26 @@ def test_filter_top_k_and_top_p():
     assert kept.tolist() == [False, True, True, False]
     assert probs[1] < 0.8 <= probs[1] + probs[2]
     assert (~torch.isinf(_filter(logits, -1, 0.1))).sum() == 1
+
+
+def test_argmax_rows_is_torchs_argmax_ties_nan_and_masked_rows_included():
+    """The greedy choice (numpy's argmax on CPU rows) picks what torch.argmax picks: the first
+    of tied maxima, a NaN, a row masked to -inf (its first token)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=gen)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the first wins
+    logits[2, 100] = float("nan")
+    logits[2, 5] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, -1] = float("inf")
+    logits[5] = logits[5].round()  # many ties
+    want = logits.argmax(dim=-1).tolist()
+    assert argmax_rows(logits) == want
+    assert want[1] == 7 and want[2] == 5 and want[3] == 0 and want[4] == 49151
+    strided = logits[:, ::2]  # not contiguous
+    assert argmax_rows(strided) == strided.argmax(dim=-1).tolist()
+    with torch.inference_mode():
+        assert argmax_rows(logits.clone()) == want
 
 
 def test_seeded_sampling_is_batch_independent(make_tiny_model):
