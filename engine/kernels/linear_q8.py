@@ -32,6 +32,10 @@ SOURCE = r"""
 namespace q8_linear {
 
 constexpr int64_t kBlock = 32;
+// Bytes ahead of the rows being read that a tile asks the cache for: the hardware prefetcher
+// alone kept a 28 MB head at 5.9 GB/s on Zen 2 (sequential rows) and 4.4 GB/s with rows read
+// side by side; 2-4 KB ahead reads it at 8.5-9.1 GB/s, the rate of weights already in cache.
+constexpr int64_t kPrefetch = 4096;
 
 inline float hmax8(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -69,42 +73,63 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* s) {
     }
 }
 
-// Weight rows [n0, n1) x activation rows [0, MB): per 32-weight block, |w| (unsigned) times
-// x with w's sign, pairs summed to int16 (at most 2 * 128 * 127, no saturation), then to 8
-// int32 lanes; scaled into fp32 by the block's activation scale (and the weight group's).
+// Weight rows [n, n + NR) x activation rows [0, MB): per 32-weight block, |w| (unsigned)
+// times x with w's sign, pairs summed to int16 (at most 2 * 128 * 127, no saturation), then
+// to 8 int32 lanes; scaled into fp32 by the block's activation scale (and the weight
+// group's). The NR rows run side by side, each with its own accumulators and the same order
+// of operations as alone (the results do not depend on NR): one row's FMA chain waits ~5
+// cycles a block on Zen 2, so NR chains overlap, and the activation loads are shared.
+template <int MB, int NR, bool GS, typename O>
+static void tile(const int8_t* wp, const int8_t* xq, const float* xs, const float* sp,
+                 const float* gp, int64_t G, const float* bp, O* op, int64_t n, int64_t K,
+                 int64_t N) {
+    const int64_t nb = K / kBlock, per = GS ? G / kBlock : 1, ng = GS ? K / G : 0;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 a[NR][MB];
+    for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < MB; ++m) a[r][m] = _mm256_setzero_ps();
+    int64_t gi = 0, left = per;  // the weight group of block b, without a division
+    // The tile's NR rows are NR * K contiguous bytes, read at NR * 32 bytes a block: ask for
+    // the bytes kPrefetch further on at the same pace (past the end, a prefetch is a no-op).
+    const char* ahead = reinterpret_cast<const char*>(wp + n * K) + kPrefetch;
+    for (int64_t b = 0; b < nb; ++b) {
+        for (int j = 0; j < NR * kBlock; j += 64)
+            _mm_prefetch(ahead + b * NR * kBlock + j, _MM_HINT_T0);
+        __m256i x[MB];
+        for (int m = 0; m < MB; ++m)
+            x[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * kBlock));
+        for (int r = 0; r < NR; ++r) {
+            const __m256i w =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + (n + r) * K + b * kBlock));
+            const __m256i aw = _mm256_sign_epi8(w, w);
+            const float gs = GS ? gp[(n + r) * ng + gi] : 1.f;
+            for (int m = 0; m < MB; ++m) {
+                const __m256i p =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x[m], w)), ones);
+                const float f = GS ? xs[m * nb + b] * gs : xs[m * nb + b];
+                a[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f), a[r][m]);
+            }
+        }
+        if (GS && --left == 0) ++gi, left = per;
+    }
+    for (int r = 0; r < NR; ++r)
+        for (int m = 0; m < MB; ++m) {
+            float acc = hsum8(a[r][m]);
+            if (!GS) acc *= sp[n + r];
+            if (bp) acc += bp[n + r];
+            op[m * N + n + r] = static_cast<O>(acc);  // bf16: round to nearest even
+        }
+}
+
+// Rows [n0, n1) in tiles of 4 rows (2 for 2-3 activation rows: 16 vector registers).
 template <int MB, bool GS, typename O>
 static void rows(const int8_t* wp, const int8_t* xq, const float* xs, const float* sp,
                  const float* gp, int64_t G, const float* bp, O* op, int64_t n0, int64_t n1,
                  int64_t K, int64_t N) {
-    const int64_t nb = K / kBlock, per = GS ? G / kBlock : 1;
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t n = n0; n < n1; ++n) {
-        const int8_t* r = wp + n * K;
-        const float* g = GS ? gp + n * (K / G) : nullptr;
-        __m256 a[MB];
-        for (int m = 0; m < MB; ++m) a[m] = _mm256_setzero_ps();
-        int64_t gi = 0, left = per;  // the weight group of block b, without a division
-        for (int64_t b = 0; b < nb; ++b) {
-            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * kBlock));
-            const __m256i aw = _mm256_sign_epi8(w, w);
-            const float gs = GS ? g[gi] : 1.f;
-            if (GS && --left == 0) ++gi, left = per;
-            for (int m = 0; m < MB; ++m) {
-                const __m256i x =
-                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + b * kBlock));
-                const __m256i p =
-                    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
-                const float f = GS ? xs[m * nb + b] * gs : xs[m * nb + b];
-                a[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f), a[m]);
-            }
-        }
-        for (int m = 0; m < MB; ++m) {
-            float acc = hsum8(a[m]);
-            if (!GS) acc *= sp[n];
-            if (bp) acc += bp[n];
-            op[m * N + n] = static_cast<O>(acc);  // bf16: round to nearest even
-        }
-    }
+    constexpr int NR = MB == 1 ? 4 : 2;
+    int64_t n = n0;
+    for (; n + NR <= n1; n += NR) tile<MB, NR, GS>(wp, xq, xs, sp, gp, G, bp, op, n, K, N);
+    for (; n < n1; ++n) tile<MB, 1, GS>(wp, xq, xs, sp, gp, G, bp, op, n, K, N);
 }
 
 template <bool GS, typename O>

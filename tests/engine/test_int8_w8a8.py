@@ -49,6 +49,26 @@ def test_gemv_q8_matches_its_reference(dtype, m, group):
 
 
 @needs_q8
+@pytest.mark.parametrize("m", [1, 2, 3])
+@pytest.mark.parametrize("group", [0, 32])
+def test_gemv_q8_row_results_do_not_depend_on_the_tile(m, group):
+    """The kernel reads 4 weight rows side by side (2 for 2-3 activation rows) and the rows
+    left over one at a time: each row's result is bit-identical whichever way it was read."""
+    g = torch.Generator().manual_seed(7 + m + group)
+    n, k = 11, 192  # 11 rows: tiles and a remainder, at every split of the threads
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand((n, k // group) if group else (n,), generator=g) / 50
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(m, k, generator=g) * 4
+    whole = OPS.gemv_q8(x, w, scale, bias)
+    for r in range(n):
+        alone = OPS.gemv_q8(
+            x, w[r : r + 1].contiguous(), scale[r : r + 1].contiguous(), bias[r : r + 1]
+        )
+        assert torch.equal(whole[:, r : r + 1], alone), f"row {r}"
+
+
+@needs_q8
 def test_gemv_q8_refuses_what_it_cannot_take():
     x = torch.randn(1, 48)
     w = torch.zeros(4, 48, dtype=torch.int8)
