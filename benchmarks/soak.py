@@ -59,7 +59,14 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "soak.json"
 
 @dataclass(slots=True)
 class Progress:
-    """Counts outcomes as they land, takes the "warm" snapshot, prints a line every `every`."""
+    """Counts outcomes as they land, takes the "warm" snapshot, prints a line every `every`.
+
+    "warm" is taken once `warm_at` requests are done and both prefill paths have answered
+    one (a prompt over the disaggregation threshold and one under it, `Outcome.long`): the
+    first remote prefill sets up its worker pair's NIXL connection once (+4-10 fds a worker),
+    which is warm-up, not a leak; a smoke run's first 15 requests need not include one. If
+    the run never answers both, "warm" is taken at the last request (and the paths check
+    fails on its own)."""
 
     total: int
     every: int
@@ -69,6 +76,8 @@ class Progress:
     done: int = 0
     inflight: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    answered: set[bool] = field(default_factory=set)  # `long` of the ok outcomes so far
+    warm: bool = False
 
     def __post_init__(self) -> None:
         if self.every < 1 or not 1 <= self.warm_at <= self.total:
@@ -79,7 +88,11 @@ class Progress:
         self.counts[out.result] = self.counts.get(out.result, 0) + 1
         if out.status is not None and out.status >= 500:
             self.counts["5xx"] = self.counts.get("5xx", 0) + 1
-        if self.done == self.warm_at:
+        if out.result == "ok":
+            self.answered.add(out.long)
+        both = len(self.answered) == 2
+        if not self.warm and self.done >= self.warm_at and (both or self.done == self.total):
+            self.warm = True
             snap = self.sampler.snapshot("warm")
             log(f"warm-up done ({self.done} requests): RSS {_total_mb(snap):.0f} MB")
         if self.done % self.every == 0 or self.done == self.total:

@@ -20,8 +20,9 @@ if str(REPO) not in sys.path:  # benchmarks/ is not an installed package
     sys.path.insert(0, str(REPO))
 
 from benchmarks.serve_session import growth, process_label  # noqa: E402
-from benchmarks.soak import evaluate  # noqa: E402
+from benchmarks.soak import Progress, evaluate  # noqa: E402
 from benchmarks.soak_workload import (  # noqa: E402
+    Outcome,
     RequestSpec,
     WorkloadContext,
     build_multiturn_workload,
@@ -101,6 +102,36 @@ def test_growth_names_the_process_over_the_limit_and_new_ones() -> None:
     assert [p["pid"] for p in g["appeared"]] == [3]
     fd_snaps = snaps | {"end": {pid: s | {"fds": 60} for pid, s in snaps["warm"].items()}}
     assert {o["metric"] for o in growth(fd_snaps, 5.0)["over"]} == {"fds"}
+
+
+class _Snapshots:
+    """Records when Progress asks for a snapshot (the real Sampler reads /proc)."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[str, int]] = []
+        self.done = 0
+
+    def snapshot(self, mark: str) -> dict:
+        self.taken.append((mark, self.done))
+        return {}
+
+
+def _feed(results: list[tuple[str, bool]], warm_at: int) -> list[tuple[str, int]]:
+    snaps = _Snapshots()
+    progress = Progress(len(results), 1000, warm_at, snaps)
+    for i, (result, long) in enumerate(results):
+        snaps.done = i + 1
+        progress.record(Outcome(i, "chat", 200, result, long=long))
+    return snaps.taken
+
+
+def test_warm_waits_for_both_prefill_paths_to_answer() -> None:
+    """The first remote prefill's one-time set-up (its NIXL connection: fds) belongs to the
+    warm-up: "warm" waits until a long and a short prompt were answered ok."""
+    short, long, aborted_long = ("ok", False), ("ok", True), ("aborted", True)
+    assert _feed([short, short, aborted_long, short, long, short], warm_at=2) == [("warm", 5)]
+    assert _feed([long, short, short, short], warm_at=3) == [("warm", 3)]  # both already
+    assert _feed([short] * 4, warm_at=2) == [("warm", 4)]  # never both: at the last one
 
 
 def _result(**over) -> dict:
