@@ -77,8 +77,9 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* s) {
 // times x with w's sign, pairs summed to int16 (at most 2 * 128 * 127, no saturation), then
 // to 8 int32 lanes; scaled into fp32 by the block's activation scale (and the weight
 // group's). The NR rows run side by side, each with its own accumulators and the same order
-// of operations as alone (the results do not depend on NR): one row's FMA chain waits ~5
-// cycles a block on Zen 2, so NR chains overlap, and the activation loads are shared.
+// of operations as alone (the results do not depend on NR), sharing the activation loads.
+// Measured on Zen 2 (1 thread, a 28 MB head from memory, with the prefetch below): 4 rows
+// side by side 8.6-9.1 GB/s, one at a time 7.3-8.7; weights in cache ran alike either way.
 template <int MB, int NR, bool GS, typename O>
 static void tile(const int8_t* wp, const int8_t* xq, const float* xs, const float* sp,
                  const float* gp, int64_t G, const float* bp, O* op, int64_t n, int64_t K,
