@@ -2,7 +2,8 @@
 
 A batch-1 decode step of a small model spends most of its time streaming weights, and the rest
 in ops too small to share between threads: decode attention over the paged cache, SiLU-and-
-multiply, the residual add + RMSNorm, RoPE. This times each of them, on SmolLM2-135M's shapes
+multiply, the residual add + RMSNorm, RoPE. This times each of them, and the head's GEMV
+(the weights streamed from memory: int8-w8a8, weight-only int8, bf16), on SmolLM2-135M's shapes
 (9 query heads on 3 kv heads of 64, hidden 576, intermediate 1536, bf16), for this tree and
 for `--ref` (its `engine/` materialized with `git archive` in a temporary folder, its kernels
 built in a cache folder of their own), rounds alternated, and prints new / ref per op and
@@ -54,6 +55,11 @@ def measure(threads: list[int]) -> dict:
     x, w = torch.randn(1, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
     qkv = torch.randn(1, 15, 64, generator=g).bfloat16()
     cos, sin = torch.randn(1, 64, generator=g), torch.randn(1, 64, generator=g)
+    heads = head_weights(g)
+
+    def head(x, w, s):
+        return k.gemv_q8(x, w, s, None) if s is not None and s.dim() == 2 else k.gemv(x, w, s, None)
+
     out = {}
     for t in threads:
         torch.set_num_threads(t)
@@ -65,7 +71,25 @@ def measure(threads: list[int]) -> dict:
         out[f"{t}T silu_mul"] = best_us(lambda: k.silu_mul(gu))
         out[f"{t}T add_rms_norm"] = best_us(lambda: k.add_rms_norm(x, x, w, 1e-5))
         out[f"{t}T rope_"] = best_us(lambda: k.rope_(qkv, cos, sin, 12))
+        for name, (weights, scale) in heads.items():
+            out[f"{t}T head {name}"] = best_us(lambda w=weights, s=scale: head(x, w, s), n=20)
     return out
+
+
+def head_weights(g) -> dict:
+    """SmolLM2's tied head (49,152 x 576): too big for the cache, so it measures how the GEMVs
+    stream weights from memory. int8-w8a8 with group-32 scales (the int8 head's layout),
+    weight-only int8 with per-row scales, and bf16."""
+    import torch
+
+    n, d = 49152, 576
+    q = torch.randint(-127, 128, (n, d), dtype=torch.int8, generator=g)
+    bf = torch.randn(n, d, generator=g).bfloat16()
+    return {
+        "int8-w8a8": (q, torch.rand(n, d // 32, generator=g)),
+        "int8": (q, torch.rand(n, generator=g)),
+        "bf16": (bf, None),
+    }
 
 
 def run_tree(tree: Path, ext_dir: str | None, threads: str) -> dict:

@@ -54,9 +54,9 @@ inline void store(O* op, float acc, const float* sp, const float* bp, int64_t n)
 // How far ahead each weight row of a tile is prefetched: four rows stream side by side, and
 // the hardware prefetcher alone left them at ~65% of a plain read's bandwidth (Intel Xeon).
 constexpr int kPrefetchBytes = 512;
-// How far ahead `rows` (AVX2) asks for its weight row's bytes: alone in memory order, a 28 MB
-// int8 / 57 MB bf16 matrix read at 5.5 / 8.3 GB/s on Zen 2 with the hardware prefetcher only,
-// 6.4 / 10.1 GB/s with this (1-8 KB ahead all helped; 2 KB was the best).
+// How far ahead `rows` (AVX2) asks for its weight row's bytes: the hardware prefetcher alone
+// left a matrix streamed from memory short of the bandwidth on Zen 2; with this, SmolLM2's head
+// GEMV takes 0.79x (bf16) and 0.83-0.88x (int8) the time (benchmarks/cpu_ops_ab.py).
 constexpr int kRowPrefetchBytes = 2048;
 
 // A row's group scales, taken chunk by chunk (`per` chunks of a vector's width to a group)

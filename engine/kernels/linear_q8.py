@@ -33,8 +33,9 @@ namespace q8_linear {
 
 constexpr int64_t kBlock = 32;
 // Bytes ahead of the rows being read that a tile asks the cache for: the hardware prefetcher
-// alone kept a 28 MB head at 5.9 GB/s on Zen 2 (sequential rows) and 4.4 GB/s with rows read
-// side by side; 2-4 KB ahead reads it at 8.5-9.1 GB/s, the rate of weights already in cache.
+// alone read a 28 MB head at ~6 GB/s on Zen 2 (less with rows side by side); with this it
+// reads at ~9, the rate of weights already in cache (0.72-0.73x the time per call:
+// benchmarks/cpu_ops_ab.py, benchmarks/README.md).
 constexpr int64_t kPrefetch = 4096;
 
 inline float hmax8(__m256 v) {
@@ -78,8 +79,8 @@ inline void quantize_row(const float* x, int64_t K, int8_t* q, float* s) {
 // to 8 int32 lanes; scaled into fp32 by the block's activation scale (and the weight
 // group's). The NR rows run side by side, each with its own accumulators and the same order
 // of operations as alone (the results do not depend on NR), sharing the activation loads.
-// Measured on Zen 2 (1 thread, a 28 MB head from memory, with the prefetch below): 4 rows
-// side by side 8.6-9.1 GB/s, one at a time 7.3-8.7; weights in cache ran alike either way.
+// Measured on Zen 2 (scratch builds, 1 thread, a 28 MB head from memory, with the
+// prefetch): 4 rows side by side 8.6-9.1 GB/s, one at a time 7.3-8.7; cached weights: alike.
 template <int MB, int NR, bool GS, typename O>
 static void tile(const int8_t* wp, const int8_t* xq, const float* xs, const float* sp,
                  const float* gp, int64_t G, const float* bp, O* op, int64_t n, int64_t K,

@@ -169,5 +169,6 @@ def test_cpu_ops_ab_times_every_op_of_a_tree():
     ops_timed = {"silu_mul", "add_rms_norm", "rope_"} | {
         f"attention ctx {c}" for c in cpu_ops_ab.CONTEXTS
     }
+    ops_timed |= {f"head {w}" for w in ("int8-w8a8", "int8", "bf16")}
     assert set(times) == {f"1T {op}" for op in ops_timed}
     assert all(t > 0 for t in times.values())
