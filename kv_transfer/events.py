@@ -118,7 +118,7 @@ class TransferStats:
     expired_leases: int = 0  # sender: leases that ran out
     aborted: int = 0  # both: requests aborted by either side
     bytes_served: int = 0  # sender: bytes of blocks released after a completed READ
-    serve_seconds: float = 0.0  # sender: reader's first renew (READ started) to its completion
+    serve_seconds: float = 0.0  # sender: reader's first renew (else the hold) to READ completion
     rejected_frames: int = 0  # side-channel frames refused as malformed / oversized
     ignored_notifs: int = 0  # late or unknown NIXL notifications that were dropped
     handshakes: int = 0

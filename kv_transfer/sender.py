@@ -80,6 +80,7 @@ class _Lease:
     pinned: bool = False  # the reader said it is reading: free only on notif/abort/expiry
     abort_pending: bool = False  # aborted here while pinned: waiting for the reader to let go
     pinned_at: float | None = None  # monotonic time of the first renew: the reader started
+    held_at: float = dataclasses.field(default_factory=time.monotonic)  # when hold() made it
     reader_instance: str | None = None  # the reader instance that pinned it (first renew)
 
     def held_for(self, reader: _Reader | None) -> bool:
@@ -178,8 +179,10 @@ class LeaseTable:
                         self._stats.ignored_notifs += 1  # late, aborted or never ours
                         continue
                     self._stats.bytes_served += len(lease.block_ids) * self._bytes_per_block
-                    if lease.pinned_at is not None:
-                        self._stats.serve_seconds += time.monotonic() - lease.pinned_at
+                    # A short READ can land before the side-channel thread has handled the
+                    # reader's first renew: then the lease's age is the closest bound we have.
+                    started = lease.held_at if lease.pinned_at is None else lease.pinned_at
+                    self._stats.serve_seconds += time.monotonic() - started
                     self._release(lease, "aborted" if lease.abort_pending else "read_done")
 
     def take_events(self) -> list[Released]:
