@@ -342,11 +342,38 @@ def main(argv=None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+        plot(runs, args.json.with_suffix(".png"))
     bad = [n for n, r in runs.items() if r["leaked_blocks"] or r["exit_code"]]
     if any(differ.values()) or bad:
         print(f"FAILED: answers differing {differ}; leaked/unclean exit: {bad}")
         return 1
     return 0
+
+
+def plot(runs: dict[str, dict], path: Path) -> None:
+    """Bars per configuration: KV MiB READ, TTFT p50 and prefill tokens computed, each
+    against the first configuration's (the run's baseline, `today` by default)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(runs)
+    metrics = (("kv_bytes_read", "KV bytes READ"), ("ttft_ms_p50", "TTFT p50"),
+               ("prefill_tokens_computed", "prefill tokens computed"))  # fmt: skip
+    fig = Figure(figsize=(1.4 + 1.1 * len(names), 3.6))
+    ax = fig.add_subplot()
+    width = 0.8 / len(metrics)
+    for i, (key, label) in enumerate(metrics):
+        base = runs[names[0]][key] or 1
+        xs = [j + (i - 1) * width for j in range(len(names))]
+        ax.bar(xs, [runs[n][key] / base for n in names], width, label=label)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel(f"x {names[0]} (same run)")
+    ax.set_title("Multi-turn 2P2D: each part of KV reuse on and off")
+    ax.set_ylim(0, max(1.35, ax.get_ylim()[1] + 0.2))
+    ax.legend(fontsize=8, loc="upper right", ncols=3)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(path))
 
 
 def _cpu() -> str:

@@ -86,8 +86,9 @@ class RouterConfig:
     decode_batch_norm: int = setting(32, "running requests that weigh as much as a full KV cache")
     decode_affinity_slack: float = setting(
         0.25,
-        "decode cost (KV usage + running/decode_batch_norm) the decode worker a prompt's prefix "
-        "hashes to may exceed the least loaded one's by (its cache holds earlier turns)",
+        "decode cost the worker holding a prompt's blocks may exceed the least loaded one's by: "
+        "kv-events routing, (running + 2 waiting)/decode_batch_norm x the share it holds; "
+        "affinity, KV usage + that, for the worker the prompt's prefix hashes to",
     )
     default_block_size: int = setting(16, "KV block size assumed for workers that report none")
     completion_default_max_tokens: int = setting(

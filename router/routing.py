@@ -1,60 +1,31 @@
 """Routing: the pure policies that pick the workers of a request, and the pool that applies
-them to the directory's current snapshot.
+them to the directory's current snapshot. The rules, in words, are router/README.md's
+"Routing" section; each function's docstring says its part.
 
-Policies: pure functions over a `LoadView` (the router's mutable copy of the workers' load
-reports), so they can be unit tested without sockets.
+Policies: pure functions over a `LoadView` (the router's copy of the workers' load reports),
+unit tested without sockets. `--routing affinity` (`plan_route`) guesses where a prefix lives
+from a rendezvous hash of the prompt's first tokens; `--routing kv-events` (the default,
+`plan_route_kv`) reads the router's KV index (router/kv_index.py, fed by the workers' KV
+events; prompt blocks hashed as the engine hashes them, engine/block_hash.py): the decode
+worker by batch pressure less a credit for the share of the prompt it holds, local prefill
+when that worker would compute fewer than `disagg_threshold` tokens, the prefill worker by
+queued plus would-be-computed tokens, and a prefix source to READ from (prefix pull).
 
-- Decode choice: prefer workers that have free KV blocks for the prompt, then the lowest cost
-  `kv_usage + (running + 2 * waiting) / batch_norm` (waiting requests weigh double: they are
-  queued because the worker is out of blocks or batch slots), with prefix affinity as for
-  prefill: the worker the prompt's first tokens hash to wins while it has room and its cost is
-  within `slack` of the lowest, so a conversation's next turn finds the blocks the last one
-  left in that worker's prefix cache (it reads only the rest from the prefill worker).
-- Prefill choice: least queued prefill tokens, with prefix affinity: the first
-  `prefix_tokens` prompt tokens pick a preferred worker by rendezvous hashing (stable while
-  the pool changes), and that worker wins while its queue is within `slack_tokens` of the
-  least loaded one, so requests sharing a system prompt land where it is cached.
-- Disaggregation: prompts shorter than `disagg_threshold`, or any prompt when there are no
-  prefill workers (colocated mode), are prefilled on the decode worker itself.
-
-That is `--routing affinity`. The default, `--routing kv-events` (`plan_route_kv`), reads the
-router's KV index (router/kv_index.py, fed by the workers' KV events) instead of guessing:
-- Decode: the same cost, less `decode_slack` x the share of the prompt the worker holds
-  (leading blocks, weighted by tier), so a worker holding the whole prompt may be up to
-  `decode_slack` busier than the least loaded one and still win.
-- Local vs remote: the prompt tokens the chosen decode worker would compute (not the prompt
-  length) against `disagg_threshold`: those it lacks, less what it could READ from the worker
-  holding the most of the prompt (prefix pull): a next turn whose history that worker holds
-  (or can read) is prefilled there.
-- Prefill: least `queued_prefill_tokens + tokens it would compute` (the prompt less what it
-  holds, tier-weighted).
-- Prefix pull (`--prefix-pull`, on): when another worker's cache (either tier) holds a block
-  or more of the prompt beyond what the worker that prefills holds, the request names it
-  (`prefix_from`) and that worker READs those blocks first (kv_transfer/prefix_pull.py).
-- Blocks of a prompt just routed count as held by the worker that computes it for a few
-  seconds (`KVIndex.expect`), so prompts sharing a prefix that arrive together go where it is
-  being computed; its engine computes the prefix once (engine/scheduler.py).
-Prompt blocks are hashed exactly as the engine hashes them (engine/block_hash.py), with the
-block size each worker's snapshot declares.
-
-After a dispatch, `LoadView.note_dispatch` bumps the chosen workers' counters optimistically;
-the next directory snapshot replaces the view.
+The view is kept current between snapshots: `note_dispatch` counts a request against its
+workers when it is routed, `note_ended` takes it off when it is handed off and when it ends,
+and each new snapshot is brought up to date with the requests this router sent or ended
+after the worker took its report (`catch_up`).
 
 `WorkerPool` lifecycle: `start()` takes a first snapshot and starts a loop that takes one every
 `refresh_interval_s`; `stop()` cancels it. A snapshot that fails or takes over
 `SNAPSHOT_TIMEOUT_S` keeps the previous view (the controller may be restarting). Each snapshot
-replaces the `LoadView` the policies read (READY workers only: a DRAINING one gets no new
-request, a DOWN one nothing), drops the PUSH sockets of workers that left, and fails the
-requests that depended on a worker that is lost: one the snapshot says is DOWN or that came
-back as a new incarnation (at once), or one missing from two snapshots in a row (one odd
-snapshot during a controller restart must not kill everything in flight). An injected
-`finish_reason="abort"` TokenMessage ends them with 503 through the same path a worker's own
-abort takes.
-
-A request is `track`ed from dispatch until its `Generation` ends (`forget`). It depends on its
-decode worker throughout, and on its prefill worker until the decode worker said it took the
-request over (`note_handed_off`): from then on a lost prefill worker is the decode worker's
-business (its READ fails, and it recomputes or fails the request by its policy).
+replaces the `LoadView` (READY workers only), drops the PUSH sockets of workers that left, and
+fails the requests that depended on a worker that is lost: one the snapshot says is DOWN or
+that came back as a new incarnation (at once), or one missing from two snapshots in a row.
+An injected `finish_reason="abort"` TokenMessage ends them with 503 through the same path a
+worker's own abort takes. A request depends on its decode worker from `track` to `forget`,
+and on its prefill worker until `note_handed_off` (then a lost prefill worker is the decode
+worker's business: its READ fails, and it recomputes or fails the request by its policy).
 """
 
 from __future__ import annotations
@@ -62,7 +33,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import struct
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.protocol import TokenMessage
@@ -89,6 +63,7 @@ class WorkerState:
     waiting: int
     queued_prefill_tokens: int
     block_size: int
+    report_time: float | None = None  # the worker's wall clock when it took the report
 
     @classmethod
     def from_info(cls, info: WorkerInfo, default_block_size: int) -> WorkerState:
@@ -98,6 +73,7 @@ class WorkerState:
         )
         if not isinstance(block_size, int) or block_size < 1:
             block_size = default_block_size
+        at = load.extra.get("time") if load.extra else None
         return cls(
             info=info,
             free_blocks=max(0, int(load.num_free_blocks)),
@@ -106,6 +82,7 @@ class WorkerState:
             waiting=max(0, int(load.num_waiting)),
             queued_prefill_tokens=max(0, int(load.queued_prefill_tokens)),
             block_size=block_size,
+            report_time=at if isinstance(at, int | float) and math.isfinite(at) else None,
         )
 
     @property
@@ -132,6 +109,27 @@ class RoutePlan:
     # prefill worker, and the tokens it holds: the prefill worker READs them from there.
     prefix_source: WorkerInfo | None = None
     prefix_source_tokens: int = 0
+    prompt_len: int = 0  # set by `WorkerPool.route`
+
+
+@dataclass(slots=True)
+class Routed:
+    """A request this router sent, kept a while after it ended (`LoadView.catch_up`)."""
+
+    decode: str
+    prefill: str | None
+    prompt_len: int
+    sent_at: float  # wall clock, as the workers' load reports carry theirs
+    prefill_done_at: float | None = None  # handed off (or ended first)
+    done_at: float | None = None
+
+
+def _unreported(sent_at: float, ended_at: float | None, report_time: float) -> int:
+    """+1 for a request a report taken at `report_time` lacks and that still runs, -1 for one
+    it counts that has ended since, else 0."""
+    if sent_at > report_time:
+        return 1 if ended_at is None else 0
+    return -1 if ended_at is not None and ended_at > report_time else 0
 
 
 class NoWorkersError(RuntimeError):
@@ -162,6 +160,40 @@ class LoadView:
         if plan.prefill is not None and (pre := self.states.get(plan.prefill.worker_id)):
             pre.queued_prefill_tokens += prompt_len
             pre.waiting += 1
+
+    def catch_up(self, routes: Iterable[Routed]) -> None:
+        """Bring each report up to now: one is up to a poll and a refresh old, so it lacks the
+        requests this router sent since and counts those that ended since (a conversation's
+        last turn, when the next comes at once). Other routers' show in the next report."""
+        for r in routes:
+            dec = self.states.get(r.decode)
+            if dec is not None and dec.report_time is not None:
+                self._add_decode(dec, r, _unreported(r.sent_at, r.done_at, dec.report_time))
+            pre = self.states.get(r.prefill) if r.prefill is not None else None
+            if pre is not None and pre.report_time is not None:
+                sign = _unreported(r.sent_at, r.prefill_done_at, pre.report_time)
+                self._add_prefill(pre, r, sign)
+
+    def note_ended(self, r: Routed, prefill: bool, decode: bool) -> None:
+        """`r` left its prefill worker (`prefill`: handed off, or ended before) and, with
+        `decode`, its decode worker too: it no longer counts against them."""
+        if prefill and r.prefill is not None and (pre := self.states.get(r.prefill)):
+            self._add_prefill(pre, r, -1)
+        if decode and (dec := self.states.get(r.decode)):
+            self._add_decode(dec, r, -1)
+
+    @staticmethod
+    def _add_decode(s: WorkerState, r: Routed, sign: int) -> None:
+        if sign:
+            s.running = max(0, s.running + sign)
+            blocks = s.free_blocks - sign * s.blocks_for(r.prompt_len)
+            s.free_blocks = min(s.total_blocks, max(0, blocks))
+
+    @staticmethod
+    def _add_prefill(s: WorkerState, r: Routed, sign: int) -> None:
+        if sign:
+            s.waiting = max(0, s.waiting + sign)
+            s.queued_prefill_tokens = max(0, s.queued_prefill_tokens + sign * r.prompt_len)
 
 
 def decode_cost(state: WorkerState, prompt_len: int, batch_norm: int) -> tuple[bool, float, str]:
@@ -267,16 +299,27 @@ def choose_decode_kv(
     batch_norm: int = 32,
     slack: float = 0.0,
 ) -> WorkerState:
-    """The lowest decode cost less `slack` x the tier-weighted share of the prompt held."""
+    """The lowest batch pressure less `slack` x the tier-weighted share of the prompt held;
+    KV usage is room (and the tie-break), not cost: see `_held_cost`."""
     if not candidates:
         raise NoWorkersError("no decode workers are available")
 
-    def score(s: WorkerState) -> tuple[bool, float, float, str]:
+    def score(s: WorkerState) -> tuple[bool, float, float, float, str]:
         no_room, value, wid = decode_cost(s, prompt_len, batch_norm)
         held = hits.get(wid, (0, 0.0))[1] / max(1, prompt_len)
-        return (no_room, value - slack * held, -held, wid)  # equal cost: the bigger hit
+        return (no_room, *_held_cost(s, value, held, batch_norm, slack), wid)
 
     return min(candidates, key=score)
+
+
+def _held_cost(
+    s: WorkerState, value: float, held: float, batch_norm: int, slack: float
+) -> tuple[float, float, float]:
+    """(pressure less the holder's credit, -held, usage). Usage is room, not cost: with small
+    caches one conversation is a fifth of a worker's KV, and a usage term sent the next turn
+    away from its history whenever the other worker ran one request less (then READ it)."""
+    pressure = (s.running + 2 * s.waiting) / batch_norm
+    return (pressure - slack * held, -held, value - pressure)
 
 
 def choose_prefill_kv(
@@ -365,6 +408,9 @@ def _known(index: KVIndex, s: WorkerState, computed: int) -> int | None:
 log = logging.getLogger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 5.0
+# An ended request is kept this long, to correct reports taken before it ended: far more than
+# a report's age (under a second), less than a worker's health timeout.
+ROUTED_KEEP_S = 10.0
 
 
 class WorkerPool:
@@ -380,6 +426,8 @@ class WorkerPool:
         # request id -> the (worker id, incarnation) pairs it depends on, decode first
         self._inflight: dict[str, list[tuple[str, str]]] = {}
         self._gone: set[str] = set()  # workers missing from the latest snapshot
+        # request id -> what this router sent, until ROUTED_KEEP_S after it ended (catch_up)
+        self._routed: dict[str, Routed] = {}
         self.kv_index = KVIndex(config.kv_index_max_entries)
         self.kv_listener = (
             KVEventListener(self.kv_index, config.max_frame_bytes)
@@ -403,6 +451,9 @@ class WorkerPool:
             await self.kv_listener.stop()
 
     async def refresh(self) -> None:
+        horizon = time.time() - ROUTED_KEEP_S  # pruned even while snapshots fail
+        for rid in [k for k, r in self._routed.items() if (r.done_at or math.inf) < horizon]:
+            del self._routed[rid]
         try:
             workers = await asyncio.wait_for(self.directory.snapshot(), SNAPSHOT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - controller may be restarting; keep last view
@@ -411,6 +462,7 @@ class WorkerPool:
         self.workers = list(workers)
         routable = [w for w in self.workers if w.state == READY]
         self._view = LoadView(routable, self.config.default_block_size)
+        self._view.catch_up(self._routed.values())
         self.dataplane.retain({w.request_endpoint for w in self.workers if w.state != DOWN})
         self._fail_orphans({w.worker_id: w for w in self.workers})
         if self.kv_listener is not None:
@@ -459,6 +511,7 @@ class WorkerPool:
         except NoWorkersError:
             await self.refresh()  # workers may have registered since the last poll
             plan = self._plan(prompt_ids, hashes)
+        plan.prompt_len = len(prompt_ids)
         self._view.note_dispatch(plan, len(prompt_ids))
         if self.kv_listener is not None:
             self._expect(plan, hashes)
@@ -510,15 +563,26 @@ class WorkerPool:
         self._inflight[rid] = [
             (w.worker_id, w.incarnation) for w in (plan.decode, plan.prefill) if w is not None
         ]
+        prefill = plan.prefill.worker_id if plan.prefill is not None else None
+        self._routed[rid] = Routed(plan.decode.worker_id, prefill, plan.prompt_len, time.time())
 
     def note_handed_off(self, rid: str) -> None:
         """The decode worker took `rid` over: it no longer depends on its prefill worker."""
         deps = self._inflight.get(rid)
         if deps is not None:
             del deps[1:]
+        r = self._routed.get(rid)
+        if r is not None and r.prefill_done_at is None:
+            r.prefill_done_at = time.time()
+            self._view.note_ended(r, prefill=True, decode=False)
 
     def forget(self, rid: str) -> None:
         self._inflight.pop(rid, None)
+        r = self._routed.get(rid)
+        if r is not None and r.done_at is None:
+            r.done_at = time.time()
+            self._view.note_ended(r, prefill=r.prefill_done_at is None, decode=True)
+            r.prefill_done_at = r.prefill_done_at or r.done_at
 
     def role_counts(self) -> dict[str, int]:
         """Routable (READY) workers per role."""

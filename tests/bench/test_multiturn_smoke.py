@@ -120,3 +120,11 @@ def test_pool_counters_sum_each_role_and_read_total_suffixes() -> None:
         "ttft_p50_below_today": True,
     }  # fmt: skip
     assert ratios["all-on"]["bytes_vs_today"] == 0.17
+
+
+def test_the_plot_shows_each_config_against_the_first(tmp_path):
+    run = {"kv_bytes_read": 100, "ttft_ms_p50": 50.0, "prefill_tokens_computed": 10}
+    runs = {"today": run, "all-on": {k: v / 2 for k, v in run.items()}}
+    out = tmp_path / "m.png"
+    multiturn.plot(runs, out)
+    assert out.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

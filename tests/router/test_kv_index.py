@@ -213,6 +213,28 @@ def test_kv_routing_sends_a_prompt_where_its_prefix_is_held():
     assert (plan.path, plan.decode.worker_id, plan.computed_tokens) == (LOCAL, "d0", None)
 
 
+def test_a_next_turn_stays_with_the_decode_worker_holding_its_history():
+    """The ping-pong the multi-turn benchmark showed: the worker holding the history also
+    still ran a request (here: a fifth of its KV, one running more than the other, as a
+    load report taken just before the last turn ended says). KV usage is room, not cost:
+    the holder keeps the turn and nothing is READ across."""
+    prompt = list(range(40))
+    index = KVIndex()
+    synced(index, prefix_block_hashes(prompt, BS, 9), wid="d0")
+    synced(index, wid="d1")
+    view = LoadView([worker("d0", "decode", free=80, running=1), worker("d1", "decode")])
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    assert (plan.path, plan.decode.worker_id, plan.prefix_source) == (LOCAL, "d0", None)
+    # Room still comes first: a holder without blocks for the prompt loses.
+    view.states["d0"].free_blocks = 5
+    plan = plan_route_kv(view, prompt, index, disagg_threshold=8, decode_slack=0.25)
+    assert plan.decode.worker_id == "d1"
+    # With nothing held anywhere, the lower batch pressure wins, then the lower usage.
+    view = LoadView([worker("d0", "decode", free=60), worker("d1", "decode", free=90)])
+    plan = plan_route_kv(view, list(range(900, 940)), index, disagg_threshold=8)
+    assert plan.decode.worker_id == "d1"
+
+
 def test_a_prefix_source_holds_a_block_more_and_never_is_the_prefill_worker():
     prompt = list(range(40))
     held = prefix_block_hashes(prompt, BS, 9)
