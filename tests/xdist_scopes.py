@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "tests/e2e/test_serve_quantized.py",  # 142
     "tests/e2e/test_serve_logprobs.py",  # 108
     "tests/e2e/test_serve_parity.py",  # 95
+    "tests/e2e/test_serve_kv_reuse.py",  # ~90 (added 2026-11-28, not in that run)
     "tests/fuzz/",  # 84
     "tests/engine/test_tensor_parallel.py",  # 77
     "tests/faults/test_transfer_policies.py",  # 72
