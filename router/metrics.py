@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.roles import COLOCATED, DECODE, PREFILL
-from router.directory import READY, WORKER_STATES, WorkerInfo
+from router.directory import DOWN, READY, WORKER_STATES, WorkerInfo
 from router.planner_status import PlannerCollector, PlannerStatus
 from router.routing import LOCAL, REMOTE
 from router.signals import LENGTH_EDGES
@@ -181,20 +181,9 @@ class WorkerCollector:
             lv = [w.worker_id, w.role]
             per_role[w.role] += w.state == READY
             per_state[(w.role, w.state)] += 1
-            gauges["queue"].add_metric(lv, load.num_waiting)
-            gauges["running"].add_metric(lv, load.num_running)
-            gauges["free"].add_metric(lv, load.num_free_blocks)
-            gauges["total"].add_metric(lv, load.num_total_blocks)
-            total = load.num_total_blocks
-            used = (total - load.num_free_blocks) / total if total > 0 else 0.0
-            gauges["usage"].add_metric(lv, used)
-            gauges["queued_prefill"].add_metric(lv, load.queued_prefill_tokens)
+            self._worker_load_gauges(gauges, w, lv)
             extra = load.extra or {}
-            for key in ("host_used_blocks", "host_total_blocks"):  # only where the tier is on
-                value = extra.get(key)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    gauges[key].add_metric(lv, value)
-            for key, _, _ in _TRANSFER_KEYS:
+            for key, _, _ in _TRANSFER_KEYS:  # what the worker did: still true once it is gone
                 value = extra.get(key)
                 if isinstance(value, int | float) and not isinstance(value, bool):
                     counters[key].add_metric(lv, float(value))
@@ -206,6 +195,27 @@ class WorkerCollector:
         yield pools
         yield states
         yield from counters.values()
+
+    @staticmethod
+    def _worker_load_gauges(gauges: dict, w: WorkerInfo, lv: list[str]) -> None:
+        """A worker's current load; none for a DOWN one, whose last report describes a process
+        that is gone (the KV blocks it held went with it: they are not in use anywhere)."""
+        if w.state == DOWN:
+            return
+        load = w.load
+        gauges["queue"].add_metric(lv, load.num_waiting)
+        gauges["running"].add_metric(lv, load.num_running)
+        gauges["free"].add_metric(lv, load.num_free_blocks)
+        gauges["total"].add_metric(lv, load.num_total_blocks)
+        total = load.num_total_blocks
+        used = (total - load.num_free_blocks) / total if total > 0 else 0.0
+        gauges["usage"].add_metric(lv, used)
+        gauges["queued_prefill"].add_metric(lv, load.queued_prefill_tokens)
+        extra = load.extra or {}
+        for key in ("host_used_blocks", "host_total_blocks"):  # only where the tier is on
+            value = extra.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                gauges[key].add_metric(lv, value)
 
 
 def _worker_gauges(labels: list[str]) -> dict[str, GaugeMetricFamily]:

@@ -69,6 +69,21 @@ def test_per_worker_gauges_and_prefix_counters():
     assert ("tandem_prefix_cache_query_tokens_total", d0) not in s
 
 
+def test_a_down_worker_has_no_load_gauges_but_keeps_its_counters():
+    """Its last report describes a process that is gone: its blocks were not leaked (a leak
+    check summing free vs total blocks saw a killed worker's leased blocks as leaked while its
+    replacement was still starting), and it runs nothing. What it did stays counted."""
+    dead = _worker("p0", "prefill", num_free_blocks=93)
+    dead.state = "down"
+    s = _samples(RouterMetrics(lambda: [dead, _worker("d0", "decode")]))
+    p0 = (("role", "prefill"), ("worker", "p0"))
+    for gauge in ("tandem_kv_free_blocks", "tandem_kv_total_blocks", "tandem_running_requests"):
+        assert (gauge, p0) not in s
+        assert (gauge, (("role", "decode"), ("worker", "d0"))) in s
+    assert s[("tandem_prefix_cache_hit_tokens_total", p0)] == 30
+    assert s[("tandem_workers", (("role", "prefill"), ("state", "down")))] == 1
+
+
 def test_kv_usage_of_a_worker_without_blocks_is_zero():
     s = _samples(RouterMetrics(lambda: [_worker("c0", "colocated", num_total_blocks=0)]))
     assert s[("tandem_kv_usage_ratio", (("role", "colocated"), ("worker", "c0")))] == 0.0
