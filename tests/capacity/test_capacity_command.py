@@ -104,10 +104,17 @@ def test_live_overheads_from_a_running_server(make_tiny_model, tmp_path):
     assert paths == {"local", "disagg"}  # prompts on both sides of the threshold
     assert all(not g["failed"] for g in live["groups"])
     # A request through HTTP, the router and ZMQ costs more than the engine step alone: the
-    # fitted TTFT line lies above the engine's prefill, and later tokens pay extra too.
+    # fitted TTFT line lies above the engine's prefill.
     shortest = min(g["engine_ttft_s"] for g in live["groups"])
     assert profile.request_overhead_s + live["prefill_scale"] * shortest > shortest
-    assert profile.token_overhead_s > 0
+    # Later tokens: the served TPOT less the decode fit's step was measured. On a loaded 2-core
+    # box that residual is within the step model's error (CI saw 1.44 ms served against a
+    # 1.89 ms model step), so a negative one is clamped to 0 and says so, never dropped.
+    residuals = [g["tpot_residual_s"] for g in live["groups"] if "tpot_residual_s" in g]
+    assert residuals and all(abs(r) < 1.0 for r in residuals)
+    assert profile.token_overhead_s >= 0
+    if profile.token_overhead_s == 0:
+        assert any("token overhead" in n and "clamped" in n for n in profile.measurements["notes"])
     fit = fit_overheads(live["groups"])
     assert (profile.request_overhead_s, profile.token_overhead_s) == (
         fit.request_overhead_s,
