@@ -153,13 +153,11 @@ class LoadView:
     def note_dispatch(self, plan: RoutePlan, prompt_len: int) -> None:
         dec = self.states.get(plan.decode.worker_id)
         if dec is not None:
-            dec.free_blocks = max(0, dec.free_blocks - dec.blocks_for(prompt_len))
-            dec.running += 1
+            self._add_decode(dec, prompt_len, 1)
             if plan.path == LOCAL:
                 dec.queued_prefill_tokens += prompt_len
         if plan.prefill is not None and (pre := self.states.get(plan.prefill.worker_id)):
-            pre.queued_prefill_tokens += prompt_len
-            pre.waiting += 1
+            self._add_prefill(pre, prompt_len, 1)
 
     def catch_up(self, routes: Iterable[Routed]) -> None:
         """Bring each report up to now: one is up to a poll and a refresh old, so it lacks the
@@ -168,39 +166,47 @@ class LoadView:
         for r in routes:
             dec = self.states.get(r.decode)
             if dec is not None and dec.report_time is not None:
-                self._add_decode(dec, r, _unreported(r.sent_at, r.done_at, dec.report_time))
+                sign = _unreported(r.sent_at, r.done_at, dec.report_time)
+                self._add_decode(dec, r.prompt_len, sign)
             pre = self.states.get(r.prefill) if r.prefill is not None else None
             if pre is not None and pre.report_time is not None:
                 sign = _unreported(r.sent_at, r.prefill_done_at, pre.report_time)
-                self._add_prefill(pre, r, sign)
+                self._add_prefill(pre, r.prompt_len, sign)
 
     def note_ended(self, r: Routed, prefill: bool, decode: bool) -> None:
         """`r` left its prefill worker (`prefill`: handed off, or ended before) and, with
         `decode`, its decode worker too: it no longer counts against them."""
         if prefill and r.prefill is not None and (pre := self.states.get(r.prefill)):
-            self._add_prefill(pre, r, -1)
+            self._add_prefill(pre, r.prompt_len, -1)
         if decode and (dec := self.states.get(r.decode)):
-            self._add_decode(dec, r, -1)
+            self._add_decode(dec, r.prompt_len, -1)
 
     @staticmethod
-    def _add_decode(s: WorkerState, r: Routed, sign: int) -> None:
+    def _add_decode(s: WorkerState, prompt_len: int, sign: int) -> None:
+        """Count a request on (sign 1) or off (-1) decode worker `s`."""
         if sign:
             s.running = max(0, s.running + sign)
-            blocks = s.free_blocks - sign * s.blocks_for(r.prompt_len)
+            blocks = s.free_blocks - sign * s.blocks_for(prompt_len)
             s.free_blocks = min(s.total_blocks, max(0, blocks))
 
     @staticmethod
-    def _add_prefill(s: WorkerState, r: Routed, sign: int) -> None:
+    def _add_prefill(s: WorkerState, prompt_len: int, sign: int) -> None:
+        """Count a request on (sign 1) or off (-1) prefill worker `s`."""
         if sign:
             s.waiting = max(0, s.waiting + sign)
-            s.queued_prefill_tokens = max(0, s.queued_prefill_tokens + sign * r.prompt_len)
+            s.queued_prefill_tokens = max(0, s.queued_prefill_tokens + sign * prompt_len)
+
+
+def _usage_and_pressure(state: WorkerState, batch_norm: int) -> tuple[float, float]:
+    """KV usage (0-1) and batch pressure (running + 2 waiting, over `batch_norm`)."""
+    usage = 1.0 - state.free_blocks / state.total_blocks if state.total_blocks > 0 else 1.0
+    return usage, (state.running + 2 * state.waiting) / batch_norm
 
 
 def decode_cost(state: WorkerState, prompt_len: int, batch_norm: int) -> tuple[bool, float, str]:
     """Sort key (lower is better): no room for the prompt last, then usage + batch pressure."""
     no_room = state.free_blocks < state.blocks_for(prompt_len)
-    usage = 1.0 - state.free_blocks / state.total_blocks if state.total_blocks > 0 else 1.0
-    pressure = (state.running + 2 * state.waiting) / batch_norm
+    usage, pressure = _usage_and_pressure(state, batch_norm)
     return (no_room, usage + pressure, state.worker_id)
 
 
@@ -300,26 +306,20 @@ def choose_decode_kv(
     slack: float = 0.0,
 ) -> WorkerState:
     """The lowest batch pressure less `slack` x the tier-weighted share of the prompt held;
-    KV usage is room (and the tie-break), not cost: see `_held_cost`."""
+    KV usage is room (and the tie-break), not cost."""
     if not candidates:
         raise NoWorkersError("no decode workers are available")
 
     def score(s: WorkerState) -> tuple[bool, float, float, float, str]:
-        no_room, value, wid = decode_cost(s, prompt_len, batch_norm)
-        held = hits.get(wid, (0, 0.0))[1] / max(1, prompt_len)
-        return (no_room, *_held_cost(s, value, held, batch_norm, slack), wid)
+        no_room = s.free_blocks < s.blocks_for(prompt_len)
+        held = hits.get(s.worker_id, (0, 0.0))[1] / max(1, prompt_len)
+        usage, pressure = _usage_and_pressure(s, batch_norm)
+        # Usage is room (and the tie-break), not cost: with small caches one conversation is a
+        # fifth of a worker's KV, and a usage term sent the next turn away from its history
+        # whenever the other worker ran one request less (which then READ it across).
+        return (no_room, pressure - slack * held, -held, usage, s.worker_id)
 
     return min(candidates, key=score)
-
-
-def _held_cost(
-    s: WorkerState, value: float, held: float, batch_norm: int, slack: float
-) -> tuple[float, float, float]:
-    """(pressure less the holder's credit, -held, usage). Usage is room, not cost: with small
-    caches one conversation is a fifth of a worker's KV, and a usage term sent the next turn
-    away from its history whenever the other worker ran one request less (then READ it)."""
-    pressure = (s.running + 2 * s.waiting) / batch_norm
-    return (pressure - slack * held, -held, value - pressure)
 
 
 def choose_prefill_kv(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -25,6 +26,29 @@ def kv_block_bytes(
     if kv_dtype != "auto":
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
     return vectors * head_dim * dtype_bytes
+
+
+@functools.cache
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # full length, as ignore_eos asks
+    return model
+
+
+def hf_greedy_ids(model: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' fp32 greedy continuation of `prompt` (token ids), `max_tokens` long
+    whatever it samples (the server's `ignore_eos`); the model is loaded once per process."""
+    import torch
+
+    hf = _hf_model(str(model))
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 class TransferCheck:

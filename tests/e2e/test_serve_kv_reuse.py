@@ -14,7 +14,7 @@ import functools
 import random
 
 import pytest
-import torch
+from e2e_helpers import hf_greedy_ids
 
 from benchmarks import multiturn
 
@@ -25,21 +25,15 @@ FLAGS = (
 
 
 @functools.cache
-def _hf(path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # the replay asks for ignore_eos
-    return model, AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def _hf_answer(path, prompt: list[int], max_tokens: int) -> str:
-    model, tok = _hf(str(path))
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
-        )
-    return tok.decode(out[0, len(prompt) :], skip_special_tokens=True)
+    ids = hf_greedy_ids(path, prompt, max_tokens)
+    return _tokenizer(str(path)).decode(ids, skip_special_tokens=True)
 
 
 @pytest.fixture(scope="module")

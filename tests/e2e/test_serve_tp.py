@@ -25,8 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import openai
-import torch
-from e2e_helpers import TransferCheck
+from e2e_helpers import TransferCheck, hf_greedy_ids
 
 THRESHOLD = 16
 REMOTE = [list(range(3, 3 + n)) for n in (20, 37, 64)]
@@ -41,19 +40,6 @@ def _children(pid: int) -> list[str]:
         for child in (task / "children").read_text().split():
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             out.append(cmdline.decode(errors="replace"))
-    return out
-
-
-def _hf_greedy(model: Path, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # full length, as ignore_eos asks
-    out = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            out.append(ids[0, len(p) :].tolist())
     return out
 
 
@@ -85,5 +71,5 @@ def test_a_tp2_prefill_worker_hands_its_kv_to_a_tp2_decode_worker(start_serve, e
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(e2e_model)
-        want = [tok.decode(ids) for ids in _hf_greedy(e2e_model, REMOTE + LOCAL)]
+        want = [tok.decode(hf_greedy_ids(e2e_model, p, MAX_TOKENS)) for p in REMOTE + LOCAL]
         assert got == want
