@@ -205,6 +205,9 @@ class DemandTracker:
     def __post_init__(self) -> None:
         c = self.config
         self.holt = HoltForecast(c.forecast_alpha, c.forecast_beta, c.forecast_damping)
+        # An operator's expected rate is the forecast's prior: the first window is one noisy
+        # sample against it, not the whole truth.
+        self.holt.level = c.expected_rate_rps or None
         if c.burst_half_life_s > 0:  # an expected burst is held (and decays) like a seen one
             self._peak_1s = float(c.expected_peak_prompt_tokens_1s or 0.0)
 

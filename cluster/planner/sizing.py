@@ -389,21 +389,27 @@ def step_goal(
     profile: CapacityProfile, wl: Workload, targets: Targets, transfer_s: float | None = None
 ) -> float:
     """The longest decode step that keeps all but `tpot_tail_share` of the answers within
-    the TPOT target. An answer of n tokens has TPOT = step + (hand-off + wait)/(n - 1) +
-    token overhead: its first decode token waits for the KV transfer (`transfer_s`, default
-    the mean prompt's) and the next step boundary (half a step on average), spread over its
-    n - 1 gaps, so short answers bind; the shortest `tpot_tail_share` of them are let go.
-    Answers that would miss even alone on a worker (their need below a one-sequence step at
-    the mean prompt's context: a long hand-off over few tokens) are let go too: no pool size
-    saves them, and sizing for them asks for a worker per sequence."""
+    the TPOT target. An answer of n tokens to a prompt of p has TPOT = step + (hand-off +
+    wait)/(n - 1) + token overhead: its first token waits for p's KV transfer (none when
+    prefilled on decode; `transfer_s` for all when given) and half a step, spread over n - 1
+    gaps. Prompt and answer lengths are independent, bucket by bucket (the mean prompt's
+    hand-off charged to every short answer sized long-context pools for a rare worst case);
+    the `tpot_tail_share` that bind most are let go, and so are answers that would miss even
+    alone on a worker (need below a one-sequence step at their prompt's context): no pool
+    size saves them, and sizing for them asks for a worker per sequence."""
     goal = targets.tpot_goal - profile.token_overhead_s
-    handoff = profile.transfer_s(wl.prompts.mean()) if transfer_s is None else transfer_s
-    alone = profile.decode_step_s(1, wl.prompts.mean())
-    needs = sorted(
-        (need, p)
-        for p, n, _ in wl.outputs.parts
-        if n >= 2 and (need := (goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1))) >= alone
-    )
+    needs = []
+    for q, p, _ in wl.prompts.parts:
+        remote = profile.transfer_s(p) if p >= targets.disagg_threshold else 0.0
+        handoff = remote if transfer_s is None else transfer_s
+        alone = profile.decode_step_s(1, p)
+        for share, n, _ in wl.outputs.parts:
+            if n < 2:
+                continue
+            need = (goal - handoff / (n - 1)) / (1 + BOUNDARY_WAIT / (n - 1))
+            if need >= alone:
+                needs.append((need, q * share))
+    needs.sort()
     skipped = 0.0
     for need, share in needs:
         if skipped + share > targets.tpot_tail_share:

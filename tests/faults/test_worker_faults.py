@@ -56,6 +56,11 @@ def test_restarted_prefill_worker_is_a_new_incarnation_and_serves_remote(server)
         time.sleep(0.3)
     old, new = re.findall(r"prefill-0 restarted: incarnation (\w+) -> (\w+)", server.log_text())[0]
     assert old != new
+    # The controller logs the restart; the router routes to the new incarnation from its next
+    # directory refresh on. Until then it has no prefill worker and prefills LOCAL.
+    while server.metrics().get('tandem_pool_size{role="prefill"}', 0) < 1:
+        assert time.monotonic() < deadline, "the router never listed the new prefill worker"
+        time.sleep(0.2)
     recomputed = _decode_counter(server, "tandem_kv_recomputes")
     handoffs_bytes = _decode_counter(server, "tandem_kv_transfer_bytes")
     status, body = server.post(

@@ -126,3 +126,12 @@ def test_tracker_uncached_share_and_last_window_view():
     last = t.last_window_workload()
     assert last.rate == 5.0 and last.prompts.mean() == 8000 and last.uncached == 1.0
     assert last.queued_prompt_tokens == 12_345
+
+
+def test_an_expected_rate_is_the_forecasts_prior():
+    prior = DemandTracker(PlannerConfig(expected_rate_rps=10.0, forecast_alpha=0.3), 60)
+    prior.observe(window(0, 20.0))
+    assert prior.holt.level == pytest.approx(0.3 * 20 + 0.7 * 10)  # one noisy sample
+    none = DemandTracker(PlannerConfig(forecast_alpha=0.3), startup_s=60)
+    none.observe(window(0, 20.0))
+    assert none.holt.level == 20.0  # no prior: the first window is all there is

@@ -134,6 +134,20 @@ def test_short_answers_set_the_step_unless_they_are_the_tail():
     assert step_goal(PROFILE, load(1.0), TARGETS, 0.0) == pytest.approx(0.045 / (1 + 0.5 / 99))
 
 
+def test_short_answers_pay_their_own_prompts_hand_off():
+    # 10% of the prompts are 200k tokens (a 0.2 s hand-off), 90% are 1k (2 ms); 20% of the
+    # answers are 5 tokens. Lengths are independent: the 5-token answers to long prompts
+    # would miss even alone (let go), those to short prompts (18%) set the step with their
+    # own 2 ms hand-off, not the mean prompt's 22 ms.
+    prompts = LengthDist(((0.9, 1000, 0), (0.1, 200_000, 0)))
+    outputs = LengthDist(((0.2, 5, 0), (0.8, 200, 0)))
+    wl = Workload(10.0, prompts, outputs)
+    assert step_goal(PROFILE, wl, TARGETS) == pytest.approx((0.045 - 0.002 / 4) / 1.125)
+    # Prompts below the disaggregation threshold are prefilled on decode: no hand-off.
+    local = Targets(1.0, 0.05, 0.1, disagg_threshold=2000)
+    assert step_goal(PROFILE, wl, local) == pytest.approx(0.045 / 1.125)
+
+
 def test_long_answers_weigh_more_in_the_context():
     mixed = Workload(10.0, LengthDist.single(1000), LengthDist(((0.5, 10, 0), (0.5, 1000, 0))))
     dl = decode_load(PROFILE, mixed, TARGETS, Corrections(), None, 0.0)
