@@ -11,6 +11,11 @@ the last window's rate (`up_rate`) when that window's excess work outlives a sta
 nothing), and down only when a smaller pool carries the forecast plus a margin that grows
 with the rate's noise (`down_rate`).
 
+Each forecast is also kept until its window comes and scored against that window's rate
+(`horizon_error`): how far the forecast misses over a whole start-up, which on a ramp or a
+shifting mix is far more than the one-step noise says. The prefill pool's margins take the
+larger of the two (`learned=True`).
+
 `LengthDist` is a length histogram as the sizing math wants it: (share, mean, spread) per
 bucket. Inside a bucket the lengths are taken as uniform on the widest interval around the
 bucket's mean that stays in the bucket (exact for one repeated length, close for a spread), so
@@ -22,6 +27,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from router.signals import LENGTH_EDGES, LengthHistogram, WindowSignals
 
@@ -38,6 +44,9 @@ BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
 MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic
 HISTORY_CAP = 10  # windows kept: up to this many history_s (for MIN_DIST_SAMPLES)
+# Scored forecasts (see `horizon_error`) are remembered this long; a margin needs this many.
+ERROR_MEMORY_S = 1800.0
+MIN_ERRORS = 12
 
 
 @dataclass(slots=True, frozen=True)
@@ -201,6 +210,10 @@ class DemandTracker:
     _burst: bool = field(default=False, init=False)
     # The decaying peak of uncached prompt tokens arriving within one second (burst hold).
     _peak_1s: float = field(default=0.0, init=False)
+    # Forecasts awaiting their window: (end of the window forecast, the rate forecast).
+    _pending: deque[tuple[float, float]] = field(default_factory=deque, init=False)
+    # (window end, its rate less the forecast made a horizon before): see horizon_error.
+    _errors: deque[tuple[float, float]] = field(default_factory=deque, init=False)
 
     def __post_init__(self) -> None:
         c = self.config
@@ -222,7 +235,10 @@ class DemandTracker:
         poisson = math.sqrt(max(expected, 0.0) / self.config.interval_s)
         if self.holt.level is not None:
             self._burst = rate > expected + BURST_SIGMAS * max(self.holt.noise, poisson)
+        self._score_forecasts(window)
         self.holt.update(rate, poisson)
+        due = end + self.startup_s + self.config.interval_s
+        self._pending.append((due, self.forecast_rate()))
         prompts = self._recent(end, lambda w: w.prompt_lengths)
         outputs = self._recent(end, lambda w: w.output_lengths)
         self._prompts = LengthDist.of(prompts) or self._prompts
@@ -232,6 +248,38 @@ class DemandTracker:
         if total > 0:
             self._uncached = min(1.0, max(0.0, uncached / total))
         self._hold_peak(window)
+
+    def _score_forecasts(self, window: WindowSignals) -> None:
+        """The forecasts made for this window meet its rate; the oldest scores are dropped."""
+        end = _end(window)
+        while self._pending and self._pending[0][0] <= end + 1e-9:
+            due, forecast = self._pending.popleft()
+            if due > window.start_s + 1e-9:  # not one for a window that never came
+                self._errors.append((end, window.arrival_rate - forecast))
+        while self._errors and self._errors[0][0] <= end - ERROR_MEMORY_S + 1e-9:
+            self._errors.popleft()
+
+    def horizon_error(self, q: float) -> float | None:
+        """The q-quantile of how far the rate came out above the forecast made a horizon
+        (a start-up and a window) before it, in requests/s, over the last ERROR_MEMORY_S;
+        None before MIN_ERRORS forecasts have met their windows. Holt's own noise is its
+        one-step error: a ramp or a shift that it follows a window late looks small there
+        and large here, and a worker asked for now serves only a horizon later."""
+        if len(self._errors) < MIN_ERRORS:
+            return None
+        errors = sorted(e for _, e in self._errors)
+        return errors[min(len(errors) - 1, int(q * len(errors)))]
+
+    def _margin(self, sigmas: float, learned: bool) -> float:
+        """`sigmas` SDs of the one-step noise, or with `learned` at least the horizon error
+        at the same confidence (the normal quantile of `sigmas`, 0.69 for 0.5): on a steady
+        load the two agree, so the learned margin only adds where the forecast has missed
+        by more over a horizon than its noise says."""
+        noise = sigmas * self.noise()
+        if not learned:
+            return noise
+        error = self.horizon_error(NormalDist().cdf(sigmas))
+        return noise if error is None else max(noise, error)
 
     def _hold_peak(self, window: WindowSignals) -> None:
         """The window's 1-s peak joins the hold, which halves every `burst_half_life_s`."""
@@ -284,7 +332,9 @@ class DemandTracker:
         forecast = self.forecast_rate()
         return max(self.holt.noise, math.sqrt(max(forecast, 0.0) / self.config.interval_s))
 
-    def up_rate(self, room_s: float = 0.0, spike_s: float | None = None) -> float:
+    def up_rate(
+        self, room_s: float = 0.0, spike_s: float | None = None, learned: bool = False
+    ) -> float:
         """The rate a scale-up provisions for: the forecast plus `up_noise_sigmas` of noise
         (the windows until a new worker is ready will peak above their mean), or the last
         window's rate when it stood out of the noise expected before it (a burst: more than
@@ -295,10 +345,12 @@ class DemandTracker:
         `spike_s`: how long a window's excess keeps the pool busy after the window (None:
         for ever); when the window and that time end before a worker asked for now would
         serve (`spike_outlives_startup`), the burst is left to the pool as it is (the Holt
-        level still absorbs a lasting shift within a few windows)."""
+        level still absorbs a lasting shift within a few windows). `learned`: the noise
+        margin is at least the forecast's horizon error at the same confidence (`_margin`)."""
         share = queue_share(self.config.interval_s, room_s)
         forecast = self.forecast_rate()
-        provisioned = forecast + self.config.up_noise_sigmas * self.noise() * math.sqrt(share)
+        margin = self._margin(self.config.up_noise_sigmas, learned)
+        provisioned = forecast + margin * math.sqrt(share)
         if not self._burst or not self.spike_outlives_startup(spike_s):
             return provisioned
         return max(provisioned, share * self.last_rate + (1 - share) * provisioned)
@@ -310,17 +362,19 @@ class DemandTracker:
         start-up of GPU time for nothing (Dynamo's over-reaction to spikes)."""
         return spike_s is None or self.config.interval_s + spike_s >= self.startup_s
 
-    def down_rate(self, room_s: float = 0.0) -> float:
+    def down_rate(self, room_s: float = 0.0, learned: bool = False) -> float:
         """The rate a smaller pool must still carry: the forecast plus the larger of
         `down_margin` and NOISE_SIGMAS standard deviations of the rate's noise (and the last
         window's rate plus `down_margin`), so the noise of a steady load never shrinks a pool
         that the next window's rate grows back. `room_s` as for `up_rate`: the survivors
         carry the load averaged over a window and the room, so the same share applies to
         the noise and to the last window's excess as the scale-up rule uses (a pool shrunk
-        here is not grown back by the next window's up rule at the same load)."""
+        here is not grown back by the next window's up rule at the same load; with `learned`,
+        never less than the scale-up's learned margin, for the same reason)."""
         share = queue_share(self.config.interval_s, room_s)
         forecast, margin = self.forecast_rate(), self.config.down_margin
-        spread = max(margin * forecast, NOISE_SIGMAS * self.noise() * math.sqrt(share))
+        noise = max(NOISE_SIGMAS * self.noise(), self._margin(self.config.up_noise_sigmas, learned))
+        spread = max(margin * forecast, noise * math.sqrt(share))
         last = share * self.last_rate + (1 - share) * forecast
         return max(forecast + spread, last * (1 + margin))
 
