@@ -10,7 +10,7 @@ import pytest
 from planner_fakes import follow, pools, round_profile, window
 
 from cluster.planner.config import PlannerConfig
-from cluster.planner.demand import LengthDist, Workload
+from cluster.planner.demand import DemandTracker, LengthDist, Workload
 from cluster.planner.policy import Planner, fit_budget
 from cluster.planner.sizing import Bounds, Corrections, Targets, plan_pools
 from cluster.planner.types import CAUSES, DECODE_POOL, PREFILL_POOL
@@ -406,3 +406,17 @@ def test_decide_is_cheap():
     start = time.perf_counter()
     follow(planner, ws)
     assert (time.perf_counter() - start) / len(ws) < 0.01  # ~0.2 ms here; 50x slack
+
+
+def test_the_prefill_pool_provisions_for_the_forecasts_error_over_a_start_up(monkeypatch):
+    # A steady ramp: Holt follows it a window late (small one-step noise), but 7 windows
+    # ahead its damped trend falls short; the prefill pool sizes for that measured shortfall,
+    # the decode pool for the noise alone.
+    ramp = [window(10 * i, 10 + 0.3 * i, 1000, 200) for i in range(90)]
+    learned = follow(Planner(PROFILE, config(up_noise_sigmas=0.5)), ramp)
+    monkeypatch.setattr(DemandTracker, "horizon_error", lambda self, q: None)
+    plain = follow(Planner(PROFILE, config(up_noise_sigmas=0.5)), ramp)
+    ahead = [i for i in range(len(ramp)) if learned[i][0] > plain[i][0]]
+    assert ahead, "the learned margin never added a prefill worker ahead of the noise margin"
+    assert all(learned[i][0] >= plain[i][0] for i in range(len(ramp)))
+    assert [s[1] for s in learned] == [s[1] for s in plain]
