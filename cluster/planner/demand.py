@@ -373,7 +373,9 @@ class DemandTracker:
         never less than the scale-up's learned margin, for the same reason)."""
         share = queue_share(self.config.interval_s, room_s)
         forecast, margin = self.forecast_rate(), self.config.down_margin
-        noise = max(NOISE_SIGMAS * self.noise(), self._margin(self.config.up_noise_sigmas, learned))
+        noise = NOISE_SIGMAS * self.noise()
+        if learned:  # the up rule's learned margin may exceed 4 noise SDs
+            noise = max(noise, self._margin(self.config.up_noise_sigmas, learned=True))
         spread = max(margin * forecast, noise * math.sqrt(share))
         last = share * self.last_rate + (1 - share) * forecast
         return max(forecast + spread, last * (1 + margin))
