@@ -42,7 +42,10 @@ NOISE_WEIGHT = 0.05  # EWMA weight of a new squared forecast error
 NOISE_SIGMAS = 4.0
 BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
-MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic
+MIN_DIST_SAMPLES = 200
+# Finished answers stand for the mix once traffic has run as long as this quantile of them
+# takes at the TPOT target (see DemandTracker._answer_lengths).
+CENSOR_QUANTILE = 0.99  # lengths a distribution needs before it stands for the traffic
 HISTORY_CAP = 10  # windows kept: up to this many history_s (for MIN_DIST_SAMPLES)
 # Scored forecasts (see `horizon_error`) are remembered this long; a margin needs this many.
 ERROR_MEMORY_S = 1800.0
@@ -205,6 +208,8 @@ class DemandTracker:
     # The last non-empty distributions seen: the fallback when recent windows hold none.
     _prompts: LengthDist | None = field(default=None, init=False)
     _outputs: LengthDist | None = field(default=None, init=False)
+    # The start of the first window with arrivals: answers are censored until some time after.
+    _traffic_from: float | None = field(default=None, init=False)
     _uncached: float = field(default=1.0, init=False)
     # Whether the last window's rate stood out of the noise the forecast expected before it.
     _burst: bool = field(default=False, init=False)
@@ -239,10 +244,11 @@ class DemandTracker:
         self.holt.update(rate, poisson)
         due = end + self.startup_s + self.config.interval_s
         self._pending.append((due, self.forecast_rate()))
+        if self._traffic_from is None and window.arrivals > 0:
+            self._traffic_from = window.start_s
         prompts = self._recent(end, lambda w: w.prompt_lengths)
-        outputs = self._recent(end, lambda w: w.output_lengths)
         self._prompts = LengthDist.of(prompts) or self._prompts
-        self._outputs = LengthDist.of(outputs) or self._outputs
+        self._outputs = self._answer_lengths(end) or self._outputs
         uncached = sum(w.uncached_prompt_tokens for w in self._within(end))
         total = sum(w.prompt_lengths.total for w in self._within(end))
         if total > 0:
@@ -299,12 +305,41 @@ class DemandTracker:
     def _within(self, end: float) -> list[WindowSignals]:
         return [w for w in self.windows if _end(w) > end - self.config.history_s + 1e-9]
 
-    def _recent(self, end: float, part) -> LengthHistogram:
+    def _answer_lengths(self, end: float) -> LengthDist | None:
+        """The answer-length mix. Answers are counted when they finish, so in the first
+        seconds of traffic only the short ones have: the mix is censored until traffic has
+        run as long as its long answers take (`CENSOR_QUANTILE` of the answers, the
+        operator's expected ones included, at the TPOT target). Until then the longer of the
+        finished answers' mix and the operator's expected one stands (a warm start's decode
+        pool is not shrunk, nor its growth delayed, by the first window's short answers);
+        after it, only windows that ended after it count, once they hold MIN_DIST_SAMPLES."""
+        finished = self._recent(end, lambda w: w.output_lengths)
+        observed = LengthDist.of(finished)
+        if observed is None or self._traffic_from is None:
+            return observed
+        expected = self.config.expected_output_tokens
+        prior = LengthDist.exponential(expected) if expected else None
+        longest = max(
+            observed.quantile(CENSOR_QUANTILE),
+            prior.quantile(CENSOR_QUANTILE) if prior else 0.0,
+        )
+        censored_until = self._traffic_from + longest * self.config.slo_tpot_s
+        after = self._recent(end, lambda w: w.output_lengths, censored_until)
+        if after.count >= min(MIN_DIST_SAMPLES, finished.count):
+            return LengthDist.of(after)
+        if prior is not None and prior.mean() > observed.mean():
+            return prior
+        return observed
+
+    def _recent(self, end: float, part, since: float = -math.inf) -> LengthHistogram:
         """The merged lengths of the last `history_s`, reaching further back (newest first)
         until MIN_DIST_SAMPLES: a few stragglers must not stand for a distribution (after a
-        burst the last requests to finish are its longest answers)."""
+        burst the last requests to finish are its longest answers). Only windows that end
+        after `since`."""
         merged = LengthHistogram()
         for w in reversed(self.windows):
+            if _end(w) <= since + 1e-9:
+                break
             recent = _end(w) > end - self.config.history_s + 1e-9
             if not recent and merged.count >= MIN_DIST_SAMPLES:
                 break

@@ -255,9 +255,15 @@ class Planner:
             rate = self.demand.up_rate(room_s, spikes[pool], learned)
             wl = self._residual_backlog(self.demand.workload(rate), pools, corr)
             up[pool] = self._plan(wl, corr, prefer_local, targets)
-            burst_wl = self.demand.burst_workload(rate)
-            # A window of long prompts that may queue for more than a window is met by the
-            # queue room (its rate share above), not by workers sized at its own mix.
+            # A window's answers are counted when they finish: a heavier answer mix is work
+            # that has left the decode pool, and the sequences still running are what fills
+            # it. So the decode pool takes it only where a spike outlives a start-up, like a
+            # rate spike (a lasting shift reaches the history within history_s). A prompt mix
+            # is counted on arrival: its work is still to come, and on the conversation
+            # traces a window of long prompts was followed by more. A window that may queue
+            # for more than a window is met by the queue room (its rate share above).
+            outlives = pool == PREFILL_POOL or self.demand.spike_outlives_startup(spikes[pool])
+            burst_wl = self.demand.burst_workload(rate) if outlives else None
             if burst_wl is not None and (pool == DECODE_POOL or share > 0.5):
                 burst = self._plan(burst_wl, corr, prefer_local, targets)
                 if _workers(burst, pool) > _workers(up[pool], pool):

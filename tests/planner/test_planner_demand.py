@@ -10,6 +10,7 @@ from planner_fakes import window
 
 from cluster.planner.config import PlannerConfig
 from cluster.planner.demand import (
+    CENSOR_QUANTILE,
     MIN_ERRORS,
     NOISE_SIGMAS,
     DemandTracker,
@@ -186,3 +187,30 @@ def test_a_ramp_the_one_step_noise_hides_widens_the_learned_margin():
         young.observe(window(10 * i, 20.0 + i))
     assert young.horizon_error(0.5) is None
     assert young.up_rate(learned=True) == pytest.approx(young.up_rate())
+
+
+def test_answers_finished_in_the_first_seconds_do_not_stand_for_the_mix():
+    # Answers are counted when they finish, so the first windows of traffic hold only short
+    # ones. With an expected answer of 400 tokens the mix is censored until traffic has run
+    # as long as its long answers take (the 0.99 quantile of an exponential 400 at 50 ms:
+    # 80-100 s); until then the longer of the expected and the finished mix stands, after
+    # it only the windows that ended later count.
+    cfg = PlannerConfig(slo_tpot_ms=50, expected_output_tokens=400, history_s=60)
+    censor_s = LengthDist.exponential(400).quantile(CENSOR_QUANTILE) * 0.05
+    assert 80 < censor_s < 100
+    t = DemandTracker(cfg, startup_s=60)
+    for i in range(8):  # windows ending 10 .. 80 s: only 50-token answers have finished
+        t.observe(window(10 * i, 10.0, output=50))
+        assert t.workload(1.0).outputs.mean() == pytest.approx(400, rel=0.02)
+    for i in range(8, 12):  # the full answers finish; 100 a window
+        t.observe(window(10 * i, 10.0, output=400))
+    assert t.workload(1.0).outputs.mean() == pytest.approx(400)  # the 50s are left out
+    # Without an operator's expectation the finished answers are all there is, and short
+    # ones are not censored for long (their own 0.99 quantile at the TPOT target).
+    bare = DemandTracker(PlannerConfig(slo_tpot_ms=50), startup_s=60)
+    bare.observe(window(0, 10.0, output=50))
+    assert bare.workload(1.0).outputs.mean() == pytest.approx(50)
+    # Answers longer than expected stand at once (the longer of the two).
+    long = DemandTracker(cfg, startup_s=60)
+    long.observe(window(0, 30.0, output=900))
+    assert long.workload(1.0).outputs.mean() == pytest.approx(900)

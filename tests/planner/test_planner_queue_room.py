@@ -93,3 +93,25 @@ def test_a_spike_gone_before_a_start_up_starts_no_worker():
     # (The Holt level still moves toward the spike: the prefill pool may grow by that much.)
     assert grew[60.0][1] == 0 and grew[5.0][1] > 0
     assert grew[60.0][0] < grew[5.0][0]
+
+
+def test_a_window_of_long_answers_starts_no_decode_worker_a_start_up_away():
+    # Answers are counted when they finish: a window whose finished answers are 16x longer
+    # is decode work that is already done, and the sequences still running are what fill the
+    # pool. With a 60 s start-up (a 100-token answer's life at 50 ms is 5 s) the decode pool
+    # sizes for the history, which takes the window in, not for the window alone; with a 5 s
+    # start-up a spike outlives it and the window's own mix is sized at once. A window of
+    # long prompts (counted on arrival, their work still to come) grows the prefill pool
+    # either way.
+    grew = {}
+    for startup_s in (60.0, 5.0):
+        cfg = PlannerConfig(slo_tpot_ms=50, max_prefill=16, max_decode=16, startup_s=startup_s)
+        planner = Planner(PROFILE, cfg)
+        have = follow(planner, [window(10 * i, 5, output=100) for i in range(20)], start=(1, 1))
+        d = planner.decide(210, window(200, 5, output=1600), pools(*have[-1]))
+        grew[startup_s] = d.desired[D] - have[-1][1]
+    assert 0 <= grew[60.0] < grew[5.0]
+    planner = Planner(PROFILE, PlannerConfig(max_prefill=16, max_decode=16, startup_s=60.0))
+    have = follow(planner, [window(10 * i, 5, prompt=1000) for i in range(20)], start=(1, 1))
+    d = planner.decide(210, window(200, 5, prompt=16000), pools(*have[-1]))
+    assert d.desired[P] > have[-1][0]
