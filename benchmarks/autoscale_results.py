@@ -43,6 +43,11 @@ from cluster.simulator.run import SimConfig, SimResult, simulate
 from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
 from cluster.simulator.traces import SimRequest, load_requests, shape_requests
 
+try:  # `python benchmarks/autoscale_results.py` has benchmarks/ itself on sys.path
+    from benchmarks import synthetic_traces
+except ImportError:  # pragma: no cover
+    import synthetic_traces
+
 # name -> (path, default copies superimposed, TTFT ms, TPOT ms): each trace at an SLO some
 # static split meets. The Mooncake slices (benchmarks/traces/README.md: provenance, sha256)
 # are long-context multi-turn traffic judged as Mooncake's paper judges it (30 s TTFT).
@@ -52,6 +57,13 @@ TRACES = {
     "mc-conv": ("benchmarks/traces/mooncake_conversation_20min.jsonl.gz", 1, 30000.0, 100.0),
     "mc-synth": ("benchmarks/traces/mooncake_synthetic.jsonl.gz", 1, 30000.0, 100.0),
 }
+# Synthetic shapes (benchmarks/synthetic_traces.py), generated from --seed: kinds of load the
+# real traces lack. Not in the default --traces.
+SYNTHETIC = "synthetic:"
+DEFAULT_TRACES = ",".join(TRACES)
+TRACES.update(
+    {f"syn-{k}": (SYNTHETIC + k, 1, *synthetic_traces.SLOS[k]) for k in synthetic_traces.SHAPES}
+)
 ADAPTIVE = ("planner", "dynamo", "threshold")
 FORESIGHT_UTILISATION = (1.0, 0.9, 0.8)
 
@@ -59,7 +71,7 @@ FORESIGHT_UTILISATION = (1.0, 0.9, 0.8)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default="benchmarks/results/profile-llama3-8b-h100.json")
-    p.add_argument("--traces", default=",".join(TRACES), help=f"comma-separated: {list(TRACES)}")
+    p.add_argument("--traces", default=DEFAULT_TRACES, help=f"comma-separated: {list(TRACES)}")
     p.add_argument("--rate-scale", default="", help="copies per trace: conv=20,code=10")
     p.add_argument("--rate-jitter-s", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
@@ -126,12 +138,7 @@ def configs(args, name: str, requests: list[SimRequest]) -> tuple[PlannerConfig,
 
 
 def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
-    requests = shape_requests(
-        load_requests(TRACES[name][0]),
-        rate_scale=args.scales.get(name, 1),
-        rate_jitter_s=args.rate_jitter_s,
-        seed=args.seed,
-    )
+    requests = trace_requests(name, args)
     planner_cfg, sim = configs(args, name, requests)
     results: dict[str, SimResult] = {}
     for spec in ADAPTIVE:
@@ -177,6 +184,18 @@ def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
         "sweeps": {str(t): s.to_dict() for t, s in sweeps.items()},
         "plots": [str(p) for p in plots],
     }
+
+
+def trace_requests(name: str, args) -> list[SimRequest]:
+    """The trace `name` as simulated: read (or generated from the seed) and scaled."""
+    source = TRACES[name][0]
+    if source.startswith(SYNTHETIC):
+        raw = synthetic_traces.generate(source[len(SYNTHETIC) :], seed=args.seed)
+    else:
+        raw = load_requests(source)
+    return shape_requests(
+        raw, rate_scale=args.scales.get(name, 1), rate_jitter_s=args.rate_jitter_s, seed=args.seed
+    )
 
 
 def peak_over_mean(requests: list[SimRequest]) -> float:
