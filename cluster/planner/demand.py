@@ -41,6 +41,12 @@ NOISE_WEIGHT = 0.05  # EWMA weight of a new squared forecast error
 # Poisson spike's worker is taken back and re-added on a steady load (tests/planner).
 NOISE_SIGMAS = 4.0
 BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
+# A window whose mean prompt or answer is this many standard errors above the history's is
+# a length burst. The test runs every window (360 an hour): at 2 it fired on the sampling
+# noise of heavy-tailed lengths about 8 times an hour and started a prefill worker each time
+# on a flat synthetic load (1.035x the static split's GPU-hours; 1.012x at 3, no other trace
+# moved); a length burst that mattered on the Azure traces stood further out.
+LENGTH_BURST_SES = 3.0
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
 MIN_DIST_SAMPLES = 200
 # Finished answers stand for the mix once traffic has run as long as this quantile of them
@@ -449,7 +455,7 @@ class DemandTracker:
 
     def burst_workload(self, rate: float | None = None) -> Workload | None:
         """The last window's length mix at the scale-up rate, when its prompts or answers are
-        longer than the recent history's by more than BURST_SIGMAS standard errors (a burst
+        longer than the recent history's by more than LENGTH_BURST_SES standard errors (a burst
         of long prompts shows here before the history absorbs it; a window's sampling noise
         does not start a worker); `rate`: the pool's scale-up rate (default `up_rate()`).
         None otherwise."""
@@ -470,7 +476,7 @@ def _heavier(recent: LengthDist, history: LengthDist | None, count: int) -> bool
     if history is None:
         return False
     sd = math.sqrt(max(history.second_moment() - history.mean() ** 2, 0.0))
-    return recent.mean() > history.mean() + BURST_SIGMAS * sd / math.sqrt(max(count, 1))
+    return recent.mean() > history.mean() + LENGTH_BURST_SES * sd / math.sqrt(max(count, 1))
 
 
 def queue_share(interval_s: float, room_s: float) -> float:
