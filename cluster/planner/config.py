@@ -97,7 +97,9 @@ class PlannerConfig:
         None, "expected prompt length at start-up (and the prior before any request arrived)"
     )
     expected_output_tokens: int | None = setting(
-        None, "expected output length at start-up (and the prior before any request finished)"
+        None,
+        "expected output length at start-up (and the prior while finished answers are still "
+        "the short ones: until traffic has run as long as long answers take)",
     )
     expected_peak_prompt_tokens_1s: float | None = setting(
         None,

@@ -170,6 +170,7 @@ class Planner:
             config.arrival_scv,
             config.tpot_tail_share,
             ttft_per_1k_s=config.slo_ttft_ms_per_1k / 1000.0,
+            backlog_drain_s=config.interval_s,
         )
         self.bounds = Bounds(
             config.min_prefill, config.max_prefill, config.min_decode, config.max_decode
