@@ -146,7 +146,7 @@ def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
         results[spec] = simulate(requests, profile, make_policy(spec, profile, planner_cfg), sim)
         results[spec].policy = spec
         print(f"{name}: {spec} done in {time.perf_counter() - t0:.0f} s", flush=True)
-    targets = sorted({0.99, math.floor(results["planner"].attainment * 1e4) / 1e4})
+    targets = sorted({0.99, attainment_floor(results["planner"].attainment)})
     sweeps = {}
     for target in targets:
         sweeps[target] = best_static_for(requests, profile, sim, planner_cfg, target)
@@ -184,6 +184,11 @@ def run_trace(name: str, args, profile: CapacityProfile, out: Path) -> dict:
         "sweeps": {str(t): s.to_dict() for t, s in sweeps.items()},
         "plots": [str(p) for p in plots],
     }
+
+
+def attainment_floor(attainment: float) -> float:
+    """`attainment` rounded down to 0.01%: equal attainment, for the static comparison."""
+    return math.floor(attainment * 1e4) / 1e4
 
 
 def trace_requests(name: str, args) -> list[SimRequest]:
@@ -238,11 +243,10 @@ def _size(sweep: SweepResult) -> str:
 
 
 def baseline_for(attainment: float, sweeps: dict[float, SweepResult]):
-    """The cheapest static split reaching at least `attainment` (None: no split in the sweep
-    range does)."""
-    fits = [
-        s.best for t, s in sweeps.items() if s.best is not None and s.best.attainment >= attainment
-    ]
+    """The cheapest static split reaching at least `attainment` to 0.01% (the precision the
+    sweeps search at: `attainment_floor`); None: no split in the sweep range does."""
+    floor = attainment_floor(attainment)
+    fits = [s.best for t, s in sweeps.items() if s.best is not None and s.best.attainment >= floor]
     return min(fits, key=lambda b: b.gpu_hours, default=None)
 
 
