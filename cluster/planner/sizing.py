@@ -3,9 +3,9 @@ the SLO targets (no state, no clock; the planner and its tests call them directl
 
 Prefill (TTFT, p90). A prefill worker is a server of `mu` uncached prompt tokens/s (full
 steps of `max_batch_tokens`, each prompt paying its own attention: `mix_service`); P workers
-are an M/G/P queue fed by the prompts at or above the
-disaggregation threshold. A step holds whatever is queued (up to its budget), so the work
-ahead of a prompt is done at the full-step rate, and the prompt then takes its own time:
+are an M/G/P queue fed by the prompts at or above the disaggregation threshold. A step holds
+whatever is queued (up to its budget), so the work ahead of a prompt is done at the
+full-step rate, and the prompt then takes its own time:
 
     TTFT p90 = request_overhead + wait_p90(P) + prefill_s(p90 prompt)
 
@@ -15,8 +15,8 @@ over-predicts by 30%, dropping the wait under-predicts 3x near saturation), wher
 is the exponential-tail form of the Allen-Cunneen approximation:
 P(wait > t) = ErlangC(P, a) * exp(-t / theta), theta = E[S] (ca^2 + cs^2) / 2 / (P - a),
 a = rate * E[S], the service-time SCV cs^2 from the histogram buckets. A queued backlog above
-what the target tolerates (rate * TTFT target tokens) must drain within the target on top of
-the demand: P >= (demand + excess / slo_ttft) / mu.
+what the target tolerates (rate * TTFT target tokens) must drain on top of the demand within
+the target or the planner's interval, the longer: P >= (demand + excess / drain) / mu.
 
 Decode (TPOT). A sequence with prompt p and output o spends o steps at contexts p..p+o, so
 the time-weighted context of a running sequence is E[p] + E[o^2] / (2 E[o]) (long answers
@@ -28,8 +28,7 @@ take a share f of each decode worker's time (mixed steps), which stretches every
 1 / (1 - f): D must carry the output tokens, fit the sequences already in flight, and meet
 the TTFT target of those local prefills.
 
-Corrections (`Corrections`, from observed vs predicted latency) scale the time a step takes:
-prefill steps by `prefill`, decode steps by `decode` (1: the profile is right).
+`Corrections` (observed vs predicted latency) scale step times: `prefill` and `decode`.
 """
 
 from __future__ import annotations
@@ -63,16 +62,8 @@ class Targets:
     queue_share: float = 1.0
     # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms's rule).
     ttft_per_1k_s: float = 0.0
-    # A backlog drains within the larger of this and the TTFT target (`drain_s`). The planner
-    # passes its interval: the queued prompts have already waited, a worker asked for them
-    # serves a start-up later, and the planner looks again every window. Drained within a
-    # 1 s target, a queue met at a step up or after a burst asked for 30 workers that came
-    # when it was gone (Azure code x5: 9.68 -> 8.02 GPU-h at the same attainment).
+    # A backlog drains within this or the TTFT target, the longer (README "The model")
     backlog_drain_s: float = 0.0
-
-    @property
-    def drain_s(self) -> float:
-        return max(self.slo_ttft_s, self.backlog_drain_s)
 
     @property
     def ttft_goal(self) -> float:
@@ -324,7 +315,8 @@ def size_prefill(
     capped = by_ttft is None
     if capped:
         by_ttft, met, note = hi, False, f"{hi} workers (the max) cannot meet the TTFT target"
-    by_backlog = math.ceil((load.tokens_per_s + load.backlog_tokens / targets.drain_s) / load.mu)
+    drain_s = max(targets.slo_ttft_s, targets.backlog_drain_s)
+    by_backlog = math.ceil((load.tokens_per_s + load.backlog_tokens / drain_s) / load.mu)
     wanted = max(by_ttft, by_backlog, lo)
     workers = min(wanted, hi)
     if wanted > hi:
