@@ -48,10 +48,10 @@ BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
 # moved); a length burst that mattered on the Azure traces stood further out.
 LENGTH_BURST_SES = 3.0
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
-MIN_DIST_SAMPLES = 200
+MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic
 # Finished answers stand for the mix once traffic has run as long as this quantile of them
 # takes at the TPOT target (see DemandTracker._answer_lengths).
-CENSOR_QUANTILE = 0.99  # lengths a distribution needs before it stands for the traffic
+CENSOR_QUANTILE = 0.99
 HISTORY_CAP = 10  # windows kept: up to this many history_s (for MIN_DIST_SAMPLES)
 # Scored forecasts (see `horizon_error`) are remembered this long; a margin needs this many.
 ERROR_MEMORY_S = 1800.0
