@@ -7,7 +7,7 @@ Lifecycle of one `decide(now, window, pools)`:
    just changed, no backlog the model already explains), the capacity factor that makes the
    model predict the observed TTFT p90 / TPOT p50 is blended into that pool's correction
    (EWMA, clamped per step and overall); without evidence the correction decays toward 1;
-3. size: `sizing.plan_pools` for the demand expected when a worker asked for now would be
+3. size: `plans.plan_pools` for the demand expected when a worker asked for now would be
    ready (up: the forecast plus its noise, or a burst's own rate and length mix where the
    burst's work outlives a start-up; down: the forecast plus a margin that grows with the
    noise), conditional disaggregation included;
@@ -41,17 +41,15 @@ from .correction import (
     solve_prefill,
 )
 from .demand import DemandTracker, LengthDist, Workload, queue_share
+from .plans import Bounds, PoolPlan, plan_pools
 from .sizing import (
-    Bounds,
     Corrections,
-    PoolPlan,
     Targets,
     burst_prefill_workers,
     decode_load,
     decode_tpot_p50,
     local_ttft_p90,
     mix_service,
-    plan_pools,
     prefill_load,
     prefill_ttft_p90,
 )

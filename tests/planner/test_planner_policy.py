@@ -11,8 +11,9 @@ from planner_fakes import follow, pools, round_profile, window
 
 from cluster.planner.config import PlannerConfig
 from cluster.planner.demand import DemandTracker, LengthDist, Workload
+from cluster.planner.plans import Bounds, plan_pools
 from cluster.planner.policy import Planner, fit_budget
-from cluster.planner.sizing import Bounds, Corrections, Targets, plan_pools
+from cluster.planner.sizing import Corrections, Targets
 from cluster.planner.types import CAUSES, DECODE_POOL, PREFILL_POOL
 
 PROFILE = round_profile()

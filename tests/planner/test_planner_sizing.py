@@ -9,16 +9,13 @@ import pytest
 from planner_fakes import round_profile
 
 from cluster.planner.demand import LengthDist, Workload
+from cluster.planner.plans import Bounds, plan_disaggregated, plan_local, plan_pools
 from cluster.planner.sizing import (
-    Bounds,
     Corrections,
     Targets,
     decode_load,
     erlang_c,
     mix_service,
-    plan_disaggregated,
-    plan_local,
-    plan_pools,
     prefill_load,
     prefill_ttft_p90,
     size_decode,

@@ -1,0 +1,98 @@
+"""Both pools at once: a `PoolPlan` (a prefill plan and a decode plan) and conditional
+disaggregation (`plan_pools`: a prefill pool and a decode pool, or, with `min_prefill` 0, the
+decode pool alone prefilling every prompt, whichever needs fewer workers and meets both
+targets). Each pool's own math is in sizing.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from bench.capacity_profile import CapacityProfile
+
+from .demand import Workload
+from .sizing import (
+    Corrections,
+    DecodePlan,
+    PrefillPlan,
+    Targets,
+    decode_load,
+    prefill_load,
+    size_decode,
+    size_prefill,
+)
+
+
+@dataclass(slots=True)
+class PoolPlan:
+    prefill: PrefillPlan
+    decode: DecodePlan
+    local_only: bool  # no prefill pool: every prompt prefilled on decode workers
+
+    @property
+    def workers(self) -> int:
+        return self.prefill.workers + self.decode.workers
+
+    @property
+    def met(self) -> bool:
+        return self.prefill.met and self.decode.met
+
+    @property
+    def ttft_p90_s(self) -> float:
+        if self.local_only or self.prefill.load is None:
+            return self.decode.local_ttft_p90_s
+        if self.decode.load.local_rate > 0:
+            return max(self.prefill.ttft_p90_s, self.decode.local_ttft_p90_s)
+        return self.prefill.ttft_p90_s
+
+
+@dataclass(slots=True, frozen=True)
+class Bounds:
+    min_prefill: int
+    max_prefill: int
+    min_decode: int
+    max_decode: int
+
+
+def plan_disaggregated(
+    profile: CapacityProfile, wl: Workload, targets: Targets, corr: Corrections, bounds: Bounds
+) -> PoolPlan:
+    """A prefill pool for prompts at or above the threshold, the rest prefilled on decode."""
+    share, _, local = wl.prompts.split(targets.disagg_threshold)
+    load = prefill_load(profile, wl, targets, corr.prefill)
+    lo = max(bounds.min_prefill, 1)
+    prefill = size_prefill(profile, load, targets, lo, bounds.max_prefill)
+    dload = decode_load(profile, wl, targets, corr, local, 1.0 - share)
+    decode = size_decode(profile, dload, targets, bounds.min_decode, bounds.max_decode)
+    return PoolPlan(prefill, decode, local_only=False)
+
+
+def plan_local(
+    profile: CapacityProfile, wl: Workload, targets: Targets, corr: Corrections, bounds: Bounds
+) -> PoolPlan:
+    """No prefill pool: every prompt is prefilled on a decode worker (mixed steps)."""
+    dload = decode_load(profile, wl, targets, corr, wl.prompts, 1.0)
+    decode = size_decode(profile, dload, targets, bounds.min_decode, bounds.max_decode)
+    prefill = PrefillPlan(0, "demand", None, 0.0, True, "every prompt prefilled on decode")
+    return PoolPlan(prefill, decode, local_only=True)
+
+
+def plan_pools(
+    profile: CapacityProfile,
+    wl: Workload,
+    targets: Targets,
+    corr: Corrections,
+    bounds: Bounds,
+    prefer_local: bool = False,
+) -> PoolPlan:
+    """The cheaper of "prefill pool + decode pool" and (when min_prefill is 0) "decode pool
+    only", among those meeting both targets; ties go to the current mode (`prefer_local`)."""
+    split = plan_disaggregated(profile, wl, targets, corr, bounds)
+    if bounds.min_prefill > 0:
+        return split
+    local = plan_local(profile, wl, targets, corr, bounds)
+    if local.met != split.met:
+        return local if local.met else split
+    if local.workers != split.workers:
+        return local if local.workers < split.workers else split
+    return local if prefer_local else split
