@@ -61,6 +61,15 @@ TRACES = {
 # real traces lack. Not in the default --traces.
 SYNTHETIC = "synthetic:"
 DEFAULT_TRACES = ",".join(TRACES)
+# ServeGen (Alibaba Model Studio, one language model, two hours of a weekday): drawn from
+# per-client rates, burstiness and length PDFs with --seed (benchmarks/traces/README.md).
+# Not in the default --traces either (771k requests in the 20:00 hour).
+TRACES.update(
+    {
+        f"sg-h{h}": (f"benchmarks/traces/servegen_m_large_h{h}.servegen.json.gz", 1, 1000.0, 50.0)
+        for h in (10, 20)
+    }
+)
 TRACES.update(
     {f"syn-{k}": (SYNTHETIC + k, 1, *synthetic_traces.SLOS[k]) for k in synthetic_traces.SHAPES}
 )
@@ -197,7 +206,7 @@ def trace_requests(name: str, args) -> list[SimRequest]:
     if source.startswith(SYNTHETIC):
         raw = synthetic_traces.generate(source[len(SYNTHETIC) :], seed=args.seed)
     else:
-        raw = load_requests(source)
+        raw = load_requests(source, seed=args.seed)
     return shape_requests(
         raw, rate_scale=args.scales.get(name, 1), rate_jitter_s=args.rate_jitter_s, seed=args.seed
     )

@@ -55,7 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="copies are shifted by offsets drawn from [0, S) s (default: 5)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of the copies' offsets (default: 0)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the copies' offsets and of a ServeGen slice's draw (default: 0)",
+    )
     s = parser.add_argument_group("simulation")
     s.add_argument("--profile", required=True, help="capacity profile JSON (tandem plan/profile)")
     s.add_argument(
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     requests = shape_requests(
-        load_requests(args.trace, args.trace_format),
+        load_requests(args.trace, args.trace_format, seed=args.seed),
         start_s=args.trace_start_s,
         duration_s=args.duration_s,
         time_scale=args.time_scale,

@@ -8,7 +8,10 @@ Three formats (any of them gzip-compressed, `.gz`):
 - BurstGPT's CSV (`Timestamp` in seconds, `Request tokens`, `Response tokens`);
 - the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
   `input_length`, `output_length` and `hash_ids` (one id per `BLOCK_TOKENS`-token block of the
-  prompt; equal ids at the same place mean a shared prefix, which a prefix cache can hit).
+  prompt; equal ids at the same place mean a shared prefix, which a prefix cache can hit);
+- a slice of ServeGen's per-client characterization (`*.servegen.json.gz`): not a log of
+  requests but rates, burstiness and length PDFs per client, drawn from with a seed
+  (`servegen.py`).
 
 Lifecycle: `load_requests(path, fmt)` -> `SimRequest`s in arrival order, arrivals relative to
 the first -> `shape_requests(...)` (cut a window, scale time and lengths, superimpose copies
@@ -28,7 +31,9 @@ from pathlib import Path
 
 from bench.traces import load_trace
 
-FORMATS = ("auto", "azure", "mooncake", "burstgpt")
+from .servegen import draw_servegen
+
+FORMATS = ("auto", "azure", "mooncake", "burstgpt", "servegen")
 # BurstGPT's CSV (github.com/HPMLL/BurstGPT): seconds from the trace's start, and token counts.
 BURSTGPT_FIELDS = ("Timestamp", "Request tokens", "Response tokens")
 # Mooncake's hash_ids cover the prompt in blocks of this many tokens.
@@ -56,12 +61,14 @@ class SimRequest:
 
 
 def detect_format(path: str | Path) -> str:
-    """`azure` for a .csv, `mooncake` for .jsonl/.json; otherwise by the first non-empty line
-    (a JSON object is Mooncake, anything else Azure)."""
+    """`servegen` for a .servegen.json(.gz), `azure` for a .csv, `mooncake` for .jsonl/.json;
+    otherwise by the first non-empty line (a JSON object is Mooncake, anything else Azure)."""
     path = Path(path)
     suffixes = [x.lower() for x in path.suffixes]
     if suffixes[-1:] == [".gz"]:
         suffixes.pop()
+    if suffixes[-2:] == [".servegen", ".json"]:
+        return "servegen"
     suffix = suffixes[-1] if suffixes else ""
     if suffix == ".csv":  # Azure unless the header is BurstGPT's
         try:
@@ -90,8 +97,9 @@ def open_text(path: Path):
     return path.open(newline="")
 
 
-def load_requests(path: str | Path, fmt: str = "auto") -> list[SimRequest]:
-    """Read a trace of either format (`fmt` one of FORMATS), in arrival order."""
+def load_requests(path: str | Path, fmt: str = "auto", seed: int = 0) -> list[SimRequest]:
+    """Read a trace of any format (`fmt` one of FORMATS), in arrival order. `seed`: the draw
+    from a ServeGen slice (the other formats are logs of requests and ignore it)."""
     if fmt not in FORMATS:
         raise ValueError(f"trace format must be one of {FORMATS}, got {fmt!r}")
     path = Path(path)
@@ -103,6 +111,8 @@ def load_requests(path: str | Path, fmt: str = "auto") -> list[SimRequest]:
         return load_mooncake(path)
     if fmt == "burstgpt":
         return load_burstgpt(path)
+    if fmt == "servegen":
+        return [SimRequest(t, p, o) for t, p, o in draw_servegen(path, seed)]
     # The Azure CSVs have no zero lengths, but other CSVs might: a request makes >= 1 token.
     return [
         SimRequest(r.arrival_s, max(1, r.prompt_len), max(1, r.output_len))
