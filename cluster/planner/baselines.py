@@ -27,7 +27,8 @@ from bench.capacity_profile import CapacityProfile
 from router.signals import WindowSignals
 
 from .config import PlannerConfig
-from .policy import fit_budget, warm_start
+from .plans import fit_budget
+from .policy import warm_start
 from .types import COLOCATED_POOL, DECODE_POOL, PREFILL_POOL, Decision, PoolCounts
 
 POOLS = (PREFILL_POOL, DECODE_POOL)

@@ -1,7 +1,8 @@
 """Both pools at once: a `PoolPlan` (a prefill plan and a decode plan) and conditional
 disaggregation (`plan_pools`: a prefill pool and a decode pool, or, with `min_prefill` 0, the
 decode pool alone prefilling every prompt, whichever needs fewer workers and meets both
-targets). Each pool's own math is in sizing.py.
+targets), and `fit_budget` (both pools' sizes cut to a GPU budget). Each pool's own math is
+in sizing.py.
 """
 
 from __future__ import annotations
@@ -96,3 +97,43 @@ def plan_pools(
     if local.workers != split.workers:
         return local if local.workers < split.workers else split
     return local if prefer_local else split
+
+
+def fit_budget(
+    desired: dict[str, int],
+    base: dict[str, int],
+    cap: int | None,
+    urgency: dict[str, float],
+    floors: dict[str, int] | None = None,
+    gpus: dict[str, int] | None = None,
+) -> dict[str, int]:
+    """`desired` cut to at most `cap` GPUs in all, a worker of pool p holding `gpus[p]` of
+    them (default 1: `cap` counts workers). Each pool keeps its `base` (what it has, or less
+    if it wants less); the room above the bases goes to the pools' shortfalls in proportion
+    (of GPUs), the last GPUs to the most urgent pool (SLO furthest off) that a whole worker
+    of it still fits. No pool goes below its floor (its minimum; the caller's cap holds the
+    floors)."""
+    g = {p: (gpus or {}).get(p, 1) for p in desired}
+
+    def used(sizes: dict[str, int]) -> int:
+        return sum(sizes[p] * g[p] for p in sizes)
+
+    if cap is None or used(desired) <= cap:
+        return dict(desired)
+    low = floors or {}
+    out = {p: min(base[p], desired[p]) for p in desired}
+    while used(out) > cap:  # bases over the cap: take from the least urgent
+        above = [p for p in out if out[p] > low.get(p, 0)]
+        if not above:
+            raise ValueError(f"a cap of {cap} GPUs cannot hold the floors {low}")
+        pool = min(above, key=lambda p: (urgency.get(p, 0), -out[p]))
+        out[pool] -= 1
+    room = cap - used(out)
+    short = {p: desired[p] - out[p] for p in desired}
+    total = sum(short[p] * g[p] for p in desired)
+    grant = {p: room * short[p] * g[p] // total // g[p] for p in desired}
+    room -= used(grant)
+    for p in sorted(desired, key=lambda p: -urgency.get(p, 0)):
+        extra = min(room // g[p], short[p] - grant[p])
+        grant[p], room = grant[p] + extra, room - extra * g[p]
+    return {p: out[p] + grant[p] for p in desired}

@@ -13,8 +13,9 @@ Lifecycle of one `decide(now, window, pools)`:
    noise), conditional disaggregation included;
 4. step each pool: up at once (after `up_cooldown_s`), counting starting workers as there;
    down by at most `down_step` only after `down_stable_windows` windows in a row wanted fewer,
-   `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s`, and
-   never while it has a backlog; min/max always; then the GPU budget (`fit_budget`),
+   `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s` nor
+   (decode) to a size it grew back from within `REVERSAL_MEMORY_S`, and never while it has a
+   backlog; min/max always; then the GPU budget (`fit_budget`),
    draining workers included.
 
 `desired` is the number of workers each pool should have once start-ups finish (ready plus
@@ -41,7 +42,7 @@ from .correction import (
     solve_prefill,
 )
 from .demand import DemandTracker, LengthDist, Workload, queue_share
-from .plans import Bounds, PoolPlan, plan_pools
+from .plans import Bounds, PoolPlan, fit_budget, plan_pools
 from .sizing import (
     Corrections,
     Targets,
@@ -63,6 +64,14 @@ LATENCY_FACTOR = 1.1  # an up with a correction above this is put down to observ
 # the queue, not slow GPUs, sets the p90 (prefix-affinity routing queues unevenly, which the
 # M/G/P model does not see), far from any miss.
 EVIDENCE_TTFT_SHARE = 0.5
+# A decode pool that had to grow back within this long of a cut to N workers does not go
+# down to N again for this long: the acceptance's oscillation window (one turn per pool per
+# 10 minutes). On ServeGen's 10:00 hour (bursty clients) the decode pool went 2 -> 1 -> 2
+# five times in ten minutes, each time with queued sequences and TPOT misses (98.3% -> 99.7%
+# attainment with the memory). The prefill pool's reversals come from bursts, which the burst
+# hold already weighs; remembered there too they cost conv x20 1.3 points of GPU-hours and
+# held-out code x5 12 (benchmarks/README.md).
+REVERSAL_MEMORY_S = 600.0
 
 
 @dataclass(slots=True)
@@ -73,46 +82,10 @@ class PoolState:
     asked: deque[tuple[float, int]] = field(default_factory=deque)
     settle_until_s: float = -math.inf  # latency before this is not evidence
     last_ready: int | None = None
-
-
-def fit_budget(
-    desired: dict[str, int],
-    base: dict[str, int],
-    cap: int | None,
-    urgency: dict[str, float],
-    floors: dict[str, int] | None = None,
-    gpus: dict[str, int] | None = None,
-) -> dict[str, int]:
-    """`desired` cut to at most `cap` GPUs in all, a worker of pool p holding `gpus[p]` of
-    them (default 1: `cap` counts workers). Each pool keeps its `base` (what it has, or less
-    if it wants less); the room above the bases goes to the pools' shortfalls in proportion
-    (of GPUs), the last GPUs to the most urgent pool (SLO furthest off) that a whole worker
-    of it still fits. No pool goes below its floor (its minimum; the caller's cap holds the
-    floors)."""
-    g = {p: (gpus or {}).get(p, 1) for p in desired}
-
-    def used(sizes: dict[str, int]) -> int:
-        return sum(sizes[p] * g[p] for p in sizes)
-
-    if cap is None or used(desired) <= cap:
-        return dict(desired)
-    low = floors or {}
-    out = {p: min(base[p], desired[p]) for p in desired}
-    while used(out) > cap:  # bases over the cap: take from the least urgent
-        above = [p for p in out if out[p] > low.get(p, 0)]
-        if not above:
-            raise ValueError(f"a cap of {cap} GPUs cannot hold the floors {low}")
-        pool = min(above, key=lambda p: (urgency.get(p, 0), -out[p]))
-        out[pool] -= 1
-    room = cap - used(out)
-    short = {p: desired[p] - out[p] for p in desired}
-    total = sum(short[p] * g[p] for p in desired)
-    grant = {p: room * short[p] * g[p] // total // g[p] for p in desired}
-    room -= used(grant)
-    for p in sorted(desired, key=lambda p: -urgency.get(p, 0)):
-        extra = min(room // g[p], short[p] - grant[p])
-        grant[p], room = grant[p] + extra, room - extra * g[p]
-    return {p: out[p] + grant[p] for p in desired}
+    # The last cut (time, size after it), and (time, size) of the sizes a pool grew back
+    # from soon after a cut to them (see REVERSAL_MEMORY_S).
+    last_cut: tuple[float, int] = (-math.inf, 0)
+    reversed: deque[tuple[float, int]] = field(default_factory=deque)
 
 
 def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int]:
@@ -334,11 +307,7 @@ class Planner:
         """(desired, cause, reason) of one pool before the budget."""
         c, st = self.config, self.state[pool]
         lo, hi = self._bounds_of(pool)
-        st.asked.append((now, need_up))
-        while st.asked and st.asked[0][0] < now - c.down_hold_s:
-            st.asked.popleft()
-        # Never below what the last window needs, nor the peaks of the last down_hold_s.
-        need_down = max(need_down, max(n for _, n in st.asked))
+        need_down = max(need_down, self._down_floor(pool, now, need_up))
         if have < lo or have > hi:
             n = min(max(have, lo), hi)
             return n, "bounds", f"bounds: {have} -> {n} workers (min {lo}, max {hi})"
@@ -379,6 +348,19 @@ class Planner:
                 f"for {st.down_streak} windows"
             ),
         )
+
+    def _down_floor(self, pool: str, now: float, need_up: int) -> int:
+        """The fewest workers a scale-down may leave: the peaks the scale-up sizing asked for
+        in the last down_hold_s, and one more than a size the pool grew back from within
+        REVERSAL_MEMORY_S of a cut to it (decode only; see the constant)."""
+        st = self.state[pool]
+        st.asked.append((now, need_up))
+        while st.asked and st.asked[0][0] < now - self.config.down_hold_s:
+            st.asked.popleft()
+        while st.reversed and st.reversed[0][0] < now - REVERSAL_MEMORY_S:
+            st.reversed.popleft()
+        floor = max(n for _, n in st.asked)
+        return max(floor, *(n + 1 for _, n in st.reversed)) if st.reversed else floor
 
     def _fit_budget(
         self,
@@ -429,6 +411,11 @@ class Planner:
         if desired == have:
             return
         st.last_change_s, st.down_streak = now, 0
+        cut_at, cut_to = st.last_cut
+        if desired < have:
+            st.last_cut = (now, desired)
+        elif pool == DECODE_POOL and now - cut_at <= REVERSAL_MEMORY_S and have <= cut_to:
+            st.reversed.append((now, have))
         # New workers serve after start-up; a drain moves load for about an interval.
         settle = self.startup_s + self.config.interval_s if desired > have else 0.0
         st.settle_until_s = max(st.settle_until_s, now + settle + 2 * self.config.interval_s)

@@ -11,8 +11,8 @@ from planner_fakes import follow, pools, round_profile, window
 
 from cluster.planner.config import PlannerConfig
 from cluster.planner.demand import DemandTracker, LengthDist, Workload
-from cluster.planner.plans import Bounds, plan_pools
-from cluster.planner.policy import Planner, fit_budget
+from cluster.planner.plans import Bounds, fit_budget, plan_pools
+from cluster.planner.policy import REVERSAL_MEMORY_S, Planner
 from cluster.planner.sizing import Corrections, Targets
 from cluster.planner.types import CAUSES, DECODE_POOL, PREFILL_POOL
 
@@ -421,3 +421,28 @@ def test_the_prefill_pool_provisions_for_the_forecasts_error_over_a_start_up(mon
     assert ahead, "the learned margin never added a prefill worker ahead of the noise margin"
     assert all(learned[i][0] >= plain[i][0] for i in range(len(ramp)))
     assert [s[1] for s in learned] == [s[1] for s in plain]
+
+
+def test_a_decode_pool_grown_back_after_a_cut_is_not_cut_to_that_size_again_for_10_minutes():
+    # 20 req/s needs 2 + 2 workers, 8 req/s 1 + 1. Cut, grown back, then the lower load
+    # again: the decode pool stays at 2 for REVERSAL_MEMORY_S after growing back (one turn
+    # per 10 minutes), the prefill pool (whose reversals the burst hold weighs) does not.
+    assert needs(20) == (2, 2) and needs(8) == (1, 1)
+    planner = Planner(PROFILE, config(down_cooldown_s=0, down_stable_windows=1))
+    have = list(needs(20))
+    follow(planner, steady(20, 20), start=have)
+    t, sizes, grown_back_at = 20, [], None
+    for rate, n in ((8, 20), (20, 20), (8, 80)):
+        for w in steady(rate, n, start=t):
+            d = planner.decide(w.start_s + 10, w, pools(*have))
+            if grown_back_at is None and d.desired[D] > have[1] and rate == 20:
+                grown_back_at = w.start_s + 10
+            have = [d.desired[P], d.desired[D]]
+            sizes.append((w.start_s + 10, *have))
+        t += n
+    assert grown_back_at is not None  # the decode pool was cut to 1 and grew back
+    last = [(at, p, dd) for at, p, dd in sizes if at >= 610]  # the second fall (from t = 600 s)
+    held = [dd for at, _, dd in last if at < grown_back_at + REVERSAL_MEMORY_S]
+    assert held and set(held) == {2}
+    assert min(p for _, p, _ in last if _ < grown_back_at + REVERSAL_MEMORY_S) == 1
+    assert last[-1][1:] == (1, 1)  # and after the memory, the decode pool is cut too
