@@ -324,6 +324,8 @@ class Planner:
         if need_down >= have:
             st.down_streak = 0
             _, why = _explain(pool, plan, self.targets)
+            if any(n == have - 1 for _, n in st.reversed):
+                why += f"; not {have - 1} again: the pool grew back from it within 10 minutes"
             return have, "steady", f"steady at {have} (fewer only with margin to spare): {why}"
         st.down_streak += 1
         if backlog:

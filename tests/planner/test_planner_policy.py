@@ -439,6 +439,8 @@ def test_a_decode_pool_grown_back_after_a_cut_is_not_cut_to_that_size_again_for_
                 grown_back_at = w.start_s + 10
             have = [d.desired[P], d.desired[D]]
             sizes.append((w.start_s + 10, *have))
+            if rate == 8 and grown_back_at and have[1] == 2 and d.causes[D] == "steady":
+                assert "not 1 again: the pool grew back from it" in d.reasons[D]
         t += n
     assert grown_back_at is not None  # the decode pool was cut to 1 and grew back
     last = [(at, p, dd) for at, p, dd in sizes if at >= 610]  # the second fall (from t = 600 s)
