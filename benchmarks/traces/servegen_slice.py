@@ -48,22 +48,18 @@ def read_pdfs(path: Path, times: list[int]) -> dict[str, dict[str, list]]:
     """{window start: {"input": [[tokens, p], ...], "output": [...]}} with the latest PDFs at or
     before each window that hold any mass; windows with none are left out."""
     published = json.loads(path.read_text())
-    stamps = sorted(int(k) for k in published)
+    pdfs = {}  # stamp -> both PDFs, parsed once; stamps with an empty PDF are left out
+    for stamp in sorted(int(k) for k in published):
+        fields = published[str(stamp)]
+        both = {"input": _pairs(fields["input_tokens"]), "output": _pairs(fields["output_tokens"])}
+        if both["input"] and both["output"]:
+            pdfs[stamp] = both
     out: dict[str, dict[str, list]] = {}
     for t in times:
-        usable = [s for s in stamps if s <= t and _has_mass(published[str(s)])]
-        if not usable:
-            continue
-        fields = published[str(usable[-1])]
-        out[str(t)] = {
-            "input": _pairs(fields["input_tokens"]),
-            "output": _pairs(fields["output_tokens"]),
-        }
+        usable = [s for s in pdfs if s <= t]
+        if usable:
+            out[str(t)] = pdfs[usable[-1]]
     return out
-
-
-def _has_mass(fields: dict) -> bool:
-    return all(ast.literal_eval(fields[k]) for k in ("input_tokens", "output_tokens"))
 
 
 def _pairs(text: str) -> list[list]:

@@ -216,6 +216,8 @@ class DemandTracker:
     _outputs: LengthDist | None = field(default=None, init=False)
     # The start of the first window with arrivals: answers are censored until some time after.
     _traffic_from: float | None = field(default=None, init=False)
+    # The operator's expected answer mix (expected_output_tokens, exponential), if any.
+    _answer_prior: LengthDist | None = field(default=None, init=False)
     _uncached: float = field(default=1.0, init=False)
     # Whether the last window's rate stood out of the noise the forecast expected before it.
     _burst: bool = field(default=False, init=False)
@@ -232,6 +234,8 @@ class DemandTracker:
         # An operator's expected rate is the forecast's prior: the first window is one noisy
         # sample against it, not the whole truth.
         self.holt.level = c.expected_rate_rps or None
+        if c.expected_output_tokens:
+            self._answer_prior = LengthDist.exponential(c.expected_output_tokens)
         if c.burst_half_life_s > 0:  # an expected burst is held (and decays) like a seen one
             self._peak_1s = float(c.expected_peak_prompt_tokens_1s or 0.0)
 
@@ -323,8 +327,7 @@ class DemandTracker:
         observed = LengthDist.of(finished)
         if observed is None or self._traffic_from is None:
             return observed
-        expected = self.config.expected_output_tokens
-        prior = LengthDist.exponential(expected) if expected else None
+        prior = self._answer_prior
         longest = max(
             observed.quantile(CENSOR_QUANTILE),
             prior.quantile(CENSOR_QUANTILE) if prior else 0.0,

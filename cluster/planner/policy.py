@@ -325,7 +325,10 @@ class Planner:
             st.down_streak = 0
             _, why = _explain(pool, plan, self.targets)
             if any(n == have - 1 for _, n in st.reversed):
-                why += f"; not {have - 1} again: the pool grew back from it within 10 minutes"
+                why += (
+                    f"; not {have - 1} again: the pool grew back from it within "
+                    f"{REVERSAL_MEMORY_S / 60:.0f} minutes"
+                )
             return have, "steady", f"steady at {have} (fewer only with margin to spare): {why}"
         st.down_streak += 1
         if backlog:
@@ -361,8 +364,7 @@ class Planner:
             st.asked.popleft()
         while st.reversed and st.reversed[0][0] < now - REVERSAL_MEMORY_S:
             st.reversed.popleft()
-        floor = max(n for _, n in st.asked)
-        return max(floor, *(n + 1 for _, n in st.reversed)) if st.reversed else floor
+        return max([*(n for _, n in st.asked), *(n + 1 for _, n in st.reversed)])
 
     def _fit_budget(
         self,

@@ -1,7 +1,7 @@
 """The simulator's input: a trace of requests (arrival, prompt and output length, and the
 prompt's block hash ids where the trace has them).
 
-Three formats (any of them gzip-compressed, `.gz`):
+The formats (any of them gzip-compressed, `.gz`):
 - the Azure LLM inference trace CSVs (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`;
   `../shared/traces/*.csv`; 2024's assumed to keep these columns, unchecked), read by
   `bench.traces`;
@@ -14,8 +14,8 @@ Three formats (any of them gzip-compressed, `.gz`):
   (`servegen.py`).
 
 Lifecycle: `load_requests(path, fmt)` -> `SimRequest`s in arrival order, arrivals relative to
-the first -> `shape_requests(...)` (cut a window, scale time and lengths, superimpose copies
-for a higher rate) -> `simulate`.
+the first (a ServeGen draw's: to its slice's start) -> `shape_requests(...)` (cut a window,
+scale time and lengths, superimpose copies for a higher rate) -> `simulate`.
 Every function returns a new list.
 """
 

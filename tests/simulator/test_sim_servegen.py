@@ -11,7 +11,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from sim_fakes import make_profile
 
+from cluster.cli import main
 from cluster.simulator.servegen import SLICE_FORMAT, draw_servegen
 from cluster.simulator.traces import detect_format, load_requests
 
@@ -89,10 +91,6 @@ def test_a_file_that_is_not_a_slice_is_refused_by_name(tmp_path):
 
 
 def test_tandem_simulate_draws_a_slice_with_its_seed(tmp_path):
-    from sim_fakes import make_profile
-
-    from cluster.cli import main
-
     windows = [(600, 1.0, 1.0, "Gamma", 0.5, 2.0), (1200, 0.2, 1.0, "Weibull", 0.7, 1.0)]
     trace = str(write_slice(tmp_path / "t.servegen.json.gz", [client(windows)]))
     profile = str(make_profile(max_num_seqs=32, startup_s=5.0).save(tmp_path / "p.json"))
