@@ -8,6 +8,13 @@ a queue (Dynamo's correction after a slow start) would halve the assumed capacit
 the factor that makes the model predict what was observed keeps a queue's spike from reading as
 a slow GPU. `blend` then moves the factor a bounded step toward it (EWMA, clamped per step and
 overall); `relax` decays it toward 1 when a window brings no evidence.
+
+A TTFT p90 is evidence of prefill capacity only where capacity sets it: where the model
+predicts a queue at least as long as the p90 prompt's own time (`prefill_queue_matters`), or
+where the p90 nears the goal. Far under the goal with no queue predicted, the p90 is the
+prompt's own step plus the clumps in which bursty clients arrive (ServeGen's Model Studio
+traffic: p90 2-8x the model's at 30% utilisation, p50 within 1.2x); solved as capacity, such
+windows drove the factor 1.2 -> 2.0 and the prefill pool to twice the static split's.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ CORRECTION_RANGE = (0.5, 2.0)
 PREFILL_FLOOR = 1.0
 SOLVE_RANGE = (0.25, 4.0)  # capacity factors an observation is solved within
 SOLVE_STEPS = 24
+# A p90 at this share of the TTFT goal or more is evidence however the model explains it.
+NEAR_GOAL = 0.5
 
 
 def blend(old: float, target: float, alpha: float, floor: float = CORRECTION_RANGE[0]) -> float:
@@ -68,13 +77,36 @@ def _solve(predict, observed: float) -> float:
     return math.sqrt(lo * hi)
 
 
+def prefill_queue_matters(
+    profile: CapacityProfile, wl: Workload, targets: Targets, ready: int, factor: float
+) -> bool:
+    """Whether the model, at the current `factor`, predicts a TTFT p90 wait at least as long
+    as the p90 prompt's own time (request overhead and its step) on `ready` workers."""
+    load = prefill_load(profile, wl, targets, factor) if ready >= 1 else None
+    if load is None:
+        return False
+    own = profile.request_overhead_s + factor * profile.prefill_s(load.p90_tokens)
+    return prefill_ttft_p90(profile, load, ready, targets) >= 2 * own
+
+
 def solve_prefill(
-    profile: CapacityProfile, wl: Workload, targets: Targets, ready: int, observed_p90_s: float
+    profile: CapacityProfile,
+    wl: Workload,
+    targets: Targets,
+    ready: int,
+    observed_p90_s: float,
+    factor: float = 1.0,
 ) -> float | None:
     """The prefill factor that explains an observed TTFT p90 with `ready` workers serving
-    `wl` (None: the prefill pool had nothing to serve)."""
+    `wl`. None: the prefill pool had nothing to serve, or the p90 says nothing of capacity
+    (under NEAR_GOAL of the goal where the model at the current `factor` predicts no queue
+    that matters: see the module doc)."""
     base = prefill_load(profile, wl, targets) if ready >= 1 else None
     if base is None:
+        return None
+    if observed_p90_s < NEAR_GOAL * targets.ttft_goal and not prefill_queue_matters(
+        profile, wl, targets, ready, factor
+    ):
         return None
 
     def predict(factor: float) -> float:

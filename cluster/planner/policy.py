@@ -174,14 +174,19 @@ class Planner:
             PREFILL_POOL: bool(not up.local_only and queued and queued.backlog_tokens > 0),
             DECODE_POOL: window.decode_waiting > 0,
         }
-        held = {
-            PREFILL_POOL: 0 if up.local_only else self._burst_hold(corr, queued_wl),
-            DECODE_POOL: 0,
-        }
+        # The burst hold has the rates' hysteresis: a pool shrinks below it only with
+        # down_margin to spare (1-s peaks are heavy-tailed: a hold that had just decayed
+        # under a size was pushed back over it by the next window's peak, ServeGen 10:00).
+        held = {PREFILL_POOL: 0, DECODE_POOL: 0}
+        held_down = dict(held)
+        if not up.local_only:
+            held[PREFILL_POOL] = self._burst_hold(corr, queued_wl)
+            margin = 1 + self.config.down_margin
+            held_down[PREFILL_POOL] = self._burst_hold(corr, queued_wl, margin)
         desired, causes, reasons = {}, {}, {}
         for pool in POOLS:
             need_up = max(_workers(plans[pool], pool), held[pool])
-            need_down = max(_workers(down[pool], pool), held[pool])
+            need_down = max(_workers(down[pool], pool), held_down[pool])
             desired[pool], causes[pool], reasons[pool] = self._step(
                 pool, now, need_up, need_down, have[pool], backlog[pool], plans[pool]
             )
@@ -264,9 +269,9 @@ class Planner:
         targets = targets or self.targets
         return plan_pools(self.profile, wl, targets, corr, self.bounds, prefer_local)
 
-    def _burst_hold(self, corr: Corrections, wl: Workload) -> int:
-        """Prefill workers the held 1-s burst peak needs (within max_prefill)."""
-        peak = self.demand.held_peak_tokens_1s
+    def _burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
+        """Prefill workers the held 1-s burst peak (times `scale`) needs (within max_prefill)."""
+        peak = self.demand.held_peak_tokens_1s * scale
         mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
         n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
         return min(n, self.bounds.max_prefill)
@@ -445,7 +450,7 @@ class Planner:
         ) and not self._far_under_loose_target(window.ttft.p90):
             ready = pools.ready.get(PREFILL_POOL, 0)
             evidence[PREFILL_POOL] = solve_prefill(
-                self.profile, wl, targets, ready, window.ttft.p90
+                self.profile, wl, targets, ready, window.ttft.p90, self.corrections[PREFILL_POOL]
             )
         if self._fair(DECODE_POOL, now, pools, window.tpot.count, window):
             ready = pools.ready.get(DECODE_POOL, 0)

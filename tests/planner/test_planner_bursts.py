@@ -61,6 +61,26 @@ def test_a_burst_grows_the_prefill_pool_and_the_hold_decays():
     assert sizes[-1] == 1 and all(b <= a for a, b in zip(sizes, sizes[1:], strict=False))
 
 
+def test_the_burst_hold_gives_a_worker_back_only_with_down_margin_to_spare():
+    # 1-s peaks are heavy-tailed: a hold that had just decayed under a size was pushed back
+    # over it by the next window's peak, 3 -> 2 -> 3 within a minute (ServeGen 10:00). So
+    # a pool goes below the hold only when the peak plus down_margin needs fewer workers,
+    # the hysteresis the rate rules have.
+    cfg = config(down_cooldown_s=0, burst_half_life_s=300)
+    planner = Planner(PROFILE, cfg)
+    follow(planner, [window(10 * i, 2) for i in range(6)])
+    d = planner.decide(70, with_peak(window(60, 2), 140_000), pools(1, 1))
+    have, margin_held, t = [d.desired[P], d.desired[D]], 0, Targets(1.0, 0.05)
+    for i in range(150):  # 25 minutes of quiet, five half-lives
+        d = planner.decide(80 + 10 * i, window(70 + 10 * i, 2), pools(*have))
+        peak = planner.demand.held_peak_tokens_1s
+        with_margin = burst_prefill_workers(PROFILE, peak * (1 + cfg.down_margin), t)
+        assert d.desired[P] >= min(with_margin, have[0])
+        margin_held += d.desired[P] == with_margin > burst_prefill_workers(PROFILE, peak, t)
+        have = [d.desired[P], d.desired[D]]
+    assert margin_held >= 3 and have[0] == 1  # the margin kept workers, then let go
+
+
 def test_no_burst_hold_when_it_is_off():
     planner = Planner(PROFILE, config(burst_half_life_s=0))
     d = planner.decide(10, with_peak(window(0, 2), 140_000), pools(1, 1))

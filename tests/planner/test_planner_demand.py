@@ -225,3 +225,24 @@ def test_a_length_burst_stands_three_standard_errors_out_not_two():
     for ses, burst in ((2.5, False), (2.9, False), (3.1, True), (4.0, True)):
         recent = LengthDist.single(history.mean() + ses * se)
         assert _heavier(recent, history, 100) is burst
+
+
+def test_a_shift_to_longer_prompts_at_the_same_rate_counts_as_forecast_error():
+    # The prefill pool computes tokens: prompts that double at a steady 20 req/s double its
+    # work, which the request rate does not show. The forecast's error is scored in
+    # requests of the mix it was made with: 20 req/s short (Azure conversation x20 had
+    # 800 -> 1,270 tokens a prompt within a minute at the same rate).
+    t = DemandTracker(PlannerConfig(interval_s=10, history_s=60), startup_s=60)
+    for i in range(30):
+        t.observe(window(10 * i, 20.0, prompt=1000))
+    assert t.horizon_error(1.0) == pytest.approx(0.0, abs=0.5)
+    for i in range(30, 34):
+        t.observe(window(10 * i, 20.0, prompt=2000))
+    assert t.horizon_error(1.0) == pytest.approx(20.0, rel=0.05)
+    # Half the prompts cached: the work that reaches the pool is what is scored.
+    cached = DemandTracker(PlannerConfig(interval_s=10, history_s=60), startup_s=60)
+    for i in range(30):
+        cached.observe(window(10 * i, 20.0, prompt=1000))
+    for i in range(30, 34):
+        cached.observe(window(10 * i, 20.0, prompt=2000, uncached=0.5))
+    assert cached.horizon_error(1.0) == pytest.approx(0.0, abs=0.5)
