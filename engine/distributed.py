@@ -21,8 +21,9 @@ HOOK: a JSON request as int64 bytes on the broadcast, each rank's JSON answer in
 how kv_transfer registers every rank's KV with its own NIXL agent without engine/ importing
 it (modules under `HOOK_PREFIXES` only).
 
-Failure: before each step rank 0 checks that every rank's process is alive, and a failed
-collective is reported the same way: `TPError` naming the rank and its exit status; the engine
+Failure: before each step rank 0 checks that every rank's process is alive, and again every
+`WAIT_SLICE_S` while it waits for a collective on CPU; a failed collective is reported the
+same way: `TPError` naming the rank and its exit status; the engine
 then refuses further steps. Workers die with rank 0 (PR_SET_PDEATHSIG) and exit when its
 connection closes; `TPGroup.close` (LLMEngine.shutdown, and at exit) stops them, and kills
 any that do not stop within `STOP_TIMEOUT_S`.
@@ -40,6 +41,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -54,6 +56,10 @@ START_TIMEOUT_S = 600.0  # a rank loads its shard within this
 # A rank answers a hook within this, or the group is down: a hung rank must not stall rank 0's
 # loop for START_TIMEOUT_S (a decode group's READ orders are hooks).
 HOOK_TIMEOUT_S = 30.0
+# On CPU rank 0 waits for a collective in slices this long and checks its ranks' processes in
+# between: gloo does not always notice a peer that was SIGKILLed (CI saw a broadcast to one
+# wait out the whole COLLECTIVE_TIMEOUT_S), so a dead rank is named within a slice.
+WAIT_SLICE_S = 0.5
 STOP_TIMEOUT_S = 10.0
 IDLE = timedelta(days=365)  # a worker's wait for the next step's header
 STEP, STOP, HOOK = 1, 0, 2
@@ -70,9 +76,18 @@ class TPError(RuntimeError):
 class ProcessGroup:
     """This engine's group: gloo (CPU) or NCCL (CUDA), with broadcast and all-reduce."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        size: int,
+        device: torch.device,
+        alive: Callable[[], None] | None = None,
+    ):
+        """`alive`: raises TPError when a rank has died (rank 0's check, run between the
+        slices of a wait on CPU; see WAIT_SLICE_S)."""
         timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        self.rank, self.size, self.device = rank, size, device
+        self.rank, self.size, self.device, self.alive = rank, size, device, alive
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = timeout
@@ -85,7 +100,25 @@ class ProcessGroup:
         opts.rootRank, opts.rootTensor = 0, 0
         if timeout is not None:
             opts.timeout = timeout
-        self.pg.broadcast([t], opts).wait()
+        self.wait(self.pg.broadcast([t], opts), timeout)
+
+    def wait(self, work, timeout: timedelta | None = None) -> None:
+        """Wait for a collective; on CPU with an `alive` check, in WAIT_SLICE_S slices with
+        the check between them, up to `timeout` (default COLLECTIVE_TIMEOUT_S). A gloo wait
+        that times out can be waited on again; other errors are raised at once."""
+        if self.alive is None or self.device.type == "cuda":
+            work.wait()
+            return
+        limit = timeout.total_seconds() if timeout is not None else COLLECTIVE_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                work.wait(timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e).lower() or time.monotonic() >= deadline:
+                    raise
+                self.alive()
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> None:
         opts = dist.AllreduceOptions()
@@ -94,10 +127,10 @@ class ProcessGroup:
             # gloo sums in the tensor's dtype; in fp32 the sum of two bf16 values rounds once,
             # as a bf16 add does.
             wide = t.float()
-            self.pg.allreduce([wide], opts).wait()
+            self.wait(self.pg.allreduce([wide], opts))
             t.copy_(wide)
             return
-        self.pg.allreduce([t], opts).wait()
+        self.wait(self.pg.allreduce([t], opts))
 
 
 def _die_with_parent() -> None:
@@ -129,7 +162,7 @@ class TPGroup:
         atexit.register(self.close)
         try:
             self._wait_for("up")
-            self.group = ProcessGroup(self.store, 0, size, device)
+            self.group = ProcessGroup(self.store, 0, size, device, self.check_alive)
         except BaseException:
             self.close()
             raise

@@ -10,6 +10,7 @@ its end."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import os
 import signal
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.distributed import TPError, TPModelRunner
+from engine.distributed import WAIT_SLICE_S, ProcessGroup, TPError, TPModelRunner
 from engine.llm_engine import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.scoring import teacher_forced_logits
@@ -224,6 +225,54 @@ def test_killed_rank_is_a_clear_error_and_leaves_no_process(make_tiny_model):
     finally:
         llm.engine.shutdown()
     assert _reaped(tp) and not _children() & {p.pid for p in tp.procs}
+
+
+class _Work:
+    """A gloo work whose wait times out `slow` times, then returns (or raises `error`)."""
+
+    def __init__(self, slow: int = 0, error: str = ""):
+        self.slow, self.error, self.waits = slow, error, []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.error:
+            raise RuntimeError(self.error)
+        if len(self.waits) <= self.slow:
+            raise RuntimeError("Operation timed out!")
+
+
+def _group(device: str, alive) -> ProcessGroup:
+    group = object.__new__(ProcessGroup)  # no gloo: the wait loop alone
+    group.device, group.alive = torch.device(device), alive
+    return group
+
+
+def test_rank0_waits_in_slices_and_names_a_rank_that_died_meanwhile():
+    # gloo does not always notice a SIGKILLed peer: CI saw a broadcast wait out its whole
+    # 120 s. Rank 0 waits in slices and looks at its ranks' processes between them.
+    checks = []
+
+    def alive():
+        checks.append(1)
+        if len(checks) == 3:
+            raise TPError("tensor-parallel group is down: rank 1 (pid 7) exited with status -9")
+
+    work = _Work(slow=100)
+    with pytest.raises(TPError, match="rank 1"):
+        _group("cpu", alive).wait(work)
+    assert len(work.waits) == 3 and {w.total_seconds() for w in work.waits} == {WAIT_SLICE_S}
+    slow = _Work(slow=2)  # a slow rank that is alive: waited for, checked between slices
+    _group("cpu", lambda: checks.append(1)).wait(slow)
+    assert len(slow.waits) == 3 and len(checks) == 5
+    with pytest.raises(RuntimeError, match="Connection closed"):  # other errors at once
+        _group("cpu", alive).wait(_Work(error="Connection closed by peer"))
+    assert len(checks) == 5
+    with pytest.raises(RuntimeError, match="timed out"):  # the collective's own deadline
+        _group("cpu", lambda: None).wait(_Work(slow=100), datetime.timedelta(0))
+    for device, check in (("cuda", alive), ("cpu", None)):  # NCCL, and ranks 1..N: as before
+        plain = _Work()
+        _group(device, check).wait(plain)
+        assert plain.waits == [None]
 
 
 def test_gguf_tp2_matches_hf(make_tiny_model, tmp_path):
