@@ -60,6 +60,7 @@ HOOK_TIMEOUT_S = 30.0
 # between: gloo does not always notice a peer that was SIGKILLed (CI saw a broadcast to one
 # wait out the whole COLLECTIVE_TIMEOUT_S), so a dead rank is named within a slice.
 WAIT_SLICE_S = 0.5
+WAIT_SLICE = timedelta(seconds=WAIT_SLICE_S)
 STOP_TIMEOUT_S = 10.0
 IDLE = timedelta(days=365)  # a worker's wait for the next step's header
 STEP, STOP, HOOK = 1, 0, 2
@@ -113,7 +114,7 @@ class ProcessGroup:
         deadline = time.monotonic() + limit
         while True:
             try:
-                work.wait(timedelta(seconds=WAIT_SLICE_S))
+                work.wait(WAIT_SLICE)
                 return
             except RuntimeError as e:
                 if "timed out" not in str(e).lower():

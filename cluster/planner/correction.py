@@ -27,9 +27,11 @@ from bench.capacity_profile import CapacityProfile
 from .demand import Workload
 from .sizing import (
     Corrections,
+    PrefillLoad,
     Targets,
     decode_load,
     decode_tpot_p50,
+    p90_prompt_alone_s,
     prefill_load,
     prefill_ttft_p90,
 )
@@ -78,15 +80,12 @@ def _solve(predict, observed: float) -> float:
 
 
 def prefill_queue_matters(
-    profile: CapacityProfile, wl: Workload, targets: Targets, ready: int, factor: float
+    profile: CapacityProfile, load: PrefillLoad, ready: int, targets: Targets
 ) -> bool:
-    """Whether the model, at the current `factor`, predicts a TTFT p90 wait at least as long
-    as the p90 prompt's own time (request overhead and its step) on `ready` workers."""
-    load = prefill_load(profile, wl, targets, factor) if ready >= 1 else None
-    if load is None:
-        return False
-    own = profile.request_overhead_s + factor * profile.prefill_s(load.p90_tokens)
-    return prefill_ttft_p90(profile, load, ready, targets) >= 2 * own
+    """Whether the model predicts a TTFT p90 wait at least as long as the p90 prompt's own
+    time (request overhead and its step) for `load` on `ready` workers."""
+    alone = p90_prompt_alone_s(profile, load)
+    return prefill_ttft_p90(profile, load, ready, targets) >= 2 * alone
 
 
 def solve_prefill(
@@ -105,7 +104,7 @@ def solve_prefill(
     if base is None:
         return None
     if observed_p90_s < NEAR_GOAL * targets.ttft_goal and not prefill_queue_matters(
-        profile, wl, targets, ready, factor
+        profile, base.corrected(factor), ready, targets
     ):
         return None
 

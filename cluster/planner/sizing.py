@@ -263,8 +263,13 @@ def prefill_ttft_p90(
     )
     # The wait is the work queued ahead of it, done at the full-step rate (a step holds
     # what is queued, up to its budget); then its own tokens take the time they take.
-    own = load.correction * profile.prefill_s(load.p90_tokens)
-    return profile.request_overhead_s + wait + own
+    return wait + p90_prompt_alone_s(profile, load)
+
+
+def p90_prompt_alone_s(profile: CapacityProfile, load: PrefillLoad) -> float:
+    """TTFT of the p90 prompt with no queue and no other prompt: the request overhead and
+    its own step."""
+    return profile.request_overhead_s + load.correction * profile.prefill_s(load.p90_tokens)
 
 
 def size_prefill(
@@ -276,7 +281,7 @@ def size_prefill(
         return PrefillPlan(lo, "demand", load, ttft, True, "no prompts for the prefill pool")
     need_tput = load.tokens_per_s / (load.mu * targets.max_utilisation)
     # With no queueing and no other prompt, the p90 prompt still takes its own step.
-    floor = profile.request_overhead_s + load.correction * profile.prefill_s(load.p90_tokens)
+    floor = p90_prompt_alone_s(profile, load)
     by_ttft, met, note = None, True, ""
     # The p90 prompt's own target (its length's allowance counted on its uncached tokens:
     # the cautious side when the cache hits).
