@@ -48,6 +48,12 @@ BURST_SIGMAS = 2.0  # a window this many noise SDs above the forecast is a burst
 # no other trace moved): a length burst that mattered on the Azure traces stood further out.
 LENGTH_BURST_SES = 3.0
 NOISE_CLIP = 3.0  # forecast errors feed the noise estimate clipped at this many SDs
+# SHIFT_WINDOWS windows in a row each more than SHIFT_SIGMAS noise SDs over the forecast are
+# a step up in the level, not noise: the level jumps to them. Smoothing alone took 5-6
+# windows to follow a 2.5x step, and the pools grew by 2-3 workers a window for a minute and
+# then overshot on the backlog (benchmarks/README.md, "a rise re-levelled at once").
+SHIFT_SIGMAS = 3.0
+SHIFT_WINDOWS = 2
 MIN_DIST_SAMPLES = 200  # lengths a distribution needs before it stands for the traffic
 # Finished answers stand for the mix once traffic has run as long as this quantile of them
 # takes at the TPOT target (see DemandTracker._answer_lengths).
@@ -169,16 +175,30 @@ class HoltForecast:
     trend: float = 0.0
     # EWMA of the squared one-step-ahead error: how noisy the series is around its forecast.
     error_var: float = 0.0
+    # The values of the windows in a row that stood SHIFT_SIGMAS over the forecast.
+    rise: list[float] = field(default_factory=list)
 
     def update(self, value: float, noise_floor: float = 0.0) -> None:
         """One step. The error that feeds the noise estimate is clipped at NOISE_CLIP noise
         SDs (at least `noise_floor`): a level shift is a change, not noise, and must not
-        keep a pool from shrinking for the many windows an EWMA takes to forget it."""
+        keep a pool from shrinking for the many windows an EWMA takes to forget it. A rise
+        that lasts SHIFT_WINDOWS windows re-levels the series at their mean, trend 0 (its
+        errors are a change too: they do not feed the noise); a fall is left to the
+        smoothing, as a pool shrinks with margins anyway."""
         if self.level is None:
             self.level = value
             return
         error = value - self.forecast(1)
-        limit = NOISE_CLIP * max(self.noise, noise_floor)
+        sd = max(self.noise, noise_floor)
+        if sd <= 0 or error <= SHIFT_SIGMAS * sd:
+            self.rise.clear()
+        else:
+            self.rise.append(value)
+            if len(self.rise) >= SHIFT_WINDOWS:
+                self.level, self.trend = sum(self.rise) / len(self.rise), 0.0
+                self.rise.clear()
+                return
+        limit = NOISE_CLIP * sd
         if limit > 0:
             error = min(max(error, -limit), limit)
         self.error_var += NOISE_WEIGHT * (error * error - self.error_var)

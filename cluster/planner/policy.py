@@ -10,7 +10,8 @@ Lifecycle of one `decide(now, window, pools)`:
 3. size: `plans.plan_pools` for the demand expected when a worker asked for now would be
    ready (up: the forecast plus its noise, or a burst's own rate and length mix where the
    burst's work outlives a start-up; down: the forecast plus a margin that grows with the
-   noise), conditional disaggregation included;
+   noise), with only the queues the ready and starting workers leave (`backlog.py`),
+   conditional disaggregation included;
 4. step each pool: up at once (after `up_cooldown_s`), counting starting workers as there;
    down by at most `down_step` only after `down_stable_windows` windows in a row wanted fewer,
    `down_cooldown_s` after the pool's last change, not below the peaks of `down_hold_s` nor
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from bench.capacity_profile import CapacityProfile
 from router.signals import WindowSignals
 
+from .backlog import residual_decode, residual_prefill, serving_until_ready
 from .config import PlannerConfig
 from .correction import (
     CORRECTION_RANGE,
@@ -86,6 +88,8 @@ class PoolState:
     # from soon after a cut to them (see REVERSAL_MEMORY_S).
     last_cut: tuple[float, int] = (-math.inf, 0)
     reversed: deque[tuple[float, int]] = field(default_factory=deque)
+    # When each worker still starting was asked for, oldest first (they get ready in order).
+    asked_at: deque[float] = field(default_factory=deque)
 
 
 def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int]:
@@ -166,7 +170,7 @@ class Planner:
         have = {pool: pools.provisioned(pool) for pool in POOLS}
         prefer_local = have[PREFILL_POOL] == 0
         queued_wl = self.demand.workload(self.demand.up_rate())
-        up_wl, plans, down = self._rate_plans(queued_wl, pools, corr, prefer_local)
+        up_wl, plans, down = self._rate_plans(now, queued_wl, pools, corr, prefer_local)
         up = plans[DECODE_POOL]
         # Any queue holds a pool's size, even one its workers will drain before a new one.
         queued = prefill_load(self.profile, queued_wl, self.targets, corr.prefill)
@@ -203,7 +207,12 @@ class Planner:
 
     # -- sizing ------------------------------------------------------------------------------
     def _rate_plans(
-        self, queued_wl: Workload, pools: PoolCounts, corr: Corrections, prefer_local: bool
+        self,
+        now: float,
+        queued_wl: Workload,
+        pools: PoolCounts,
+        corr: Corrections,
+        prefer_local: bool,
     ) -> tuple[Workload, dict[str, PoolPlan], dict[str, PoolPlan]]:
         """(the scale-up workload, the up plan per pool, the down plan per pool). The prefill
         pool is sized at the rate averaged over its queue room (`_queue_room_s`: a loose TTFT
@@ -230,7 +239,7 @@ class Planner:
             targets = replace(self.targets, queue_share=share)
             learned = pool == PREFILL_POOL  # see the method's doc
             rate = self.demand.up_rate(room_s, spikes[pool], learned)
-            wl = self._residual_backlog(self.demand.workload(rate), pools, corr)
+            wl = self._residual_backlog(now, self.demand.workload(rate), pools, corr)
             up[pool] = self._plan(wl, corr, prefer_local, targets)
             # A window's answers are counted when they finish: a heavier answer mix is work
             # that has left the decode pool, and the sequences still running are what fills
@@ -276,20 +285,21 @@ class Planner:
         n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
         return min(n, self.bounds.max_prefill)
 
-    def _residual_backlog(self, wl: Workload, pools: PoolCounts, corr: Corrections) -> Workload:
-        """`wl` with only the queued prompt tokens the ready prefill workers will not have
-        drained by the time a worker asked for now is ready: a worker started for a backlog
-        that is gone before it serves is a start-up's worth of GPU time for nothing."""
-        ready = pools.ready.get(PREFILL_POOL, 0)
-        if ready < 1 or wl.queued_prompt_tokens <= 0:
-            return wl
-        mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
-        arriving = wl.rate * wl.prompts.mean() * wl.uncached
-        drained = max(0.0, ready * mu - arriving) * self.startup_s
-        left = max(0.0, wl.queued_prompt_tokens - drained)
-        share = left / wl.queued_prompt_tokens
-        return replace(
-            wl, queued_prompt_tokens=left, prefill_waiting=math.ceil(wl.prefill_waiting * share)
+    def _residual_backlog(
+        self, now: float, wl: Workload, pools: PoolCounts, corr: Corrections
+    ) -> Workload:
+        """`wl` with only the queues a worker asked for now would still find (backlog.py)."""
+        serving = {}
+        for pool in POOLS:
+            asked = self.state[pool].asked_at
+            while len(asked) > pools.starting.get(pool, 0):
+                asked.popleft()  # the oldest got ready (or a cut took them)
+            serving[pool] = serving_until_ready(
+                pools.ready.get(pool, 0), asked, now, self.startup_s
+            )
+        wl = residual_prefill(self.profile, wl, serving[PREFILL_POOL], corr, self.startup_s)
+        return residual_decode(
+            self.profile, self.targets, wl, serving[DECODE_POOL], corr, self.startup_s
         )
 
     def _bounds_of(self, pool: str) -> tuple[int, int]:
@@ -420,6 +430,10 @@ class Planner:
         if desired == have:
             return
         st.last_change_s, st.down_streak = now, 0
+        if desired > have:
+            st.asked_at.extend([now] * (desired - have))
+        for _ in range(min(have - desired, len(st.asked_at))):
+            st.asked_at.pop()  # a cut stops the newest start-ups first
         cut_at, cut_to = st.last_cut
         if desired < have:
             st.last_cut = (now, desired)

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from planner_fakes import follow, pools, round_profile, window
 
-from cluster.planner import make_policy
+from cluster.planner import make_policy, policy
 from cluster.planner.config import PlannerConfig
 from cluster.planner.demand import LengthDist
 from cluster.planner.policy import Planner, warm_start
@@ -117,6 +117,35 @@ def test_only_the_backlog_left_after_a_start_up_adds_workers():
     )
     assert small.desired[P] <= 4
     assert large.desired[P] == 6 and large.causes[P] == "backlog"
+
+
+def test_workers_already_starting_drain_a_backlog_before_new_ones_would():
+    # Asked for 2 workers at t = 10 for a 4.6M-token queue; 30 s later the queue is 5.6M and
+    # they are half-way through their start-up: 4 ready + 2 x 0.5 serve 5 workers' worth
+    # until a worker asked for now is ready, 80k tok/s over the 20k arriving, 4.8M in 60 s.
+    # The 0.8M left is carried by the 6 already there; counted as 4 ready alone, the 2M left
+    # asked for 11.
+    planner = Planner(PROFILE, config(up_cooldown_s=0))
+    first = planner.decide(10, window(0, 20, queued_tokens=4_600_000), pools(4, 2))
+    assert first.desired[P] == 6
+    later = window(30, 20, queued_tokens=5_600_000)
+    assert planner.decide(40, later, pools(4, 2, starting=(2, 0))).desired[P] == 6
+    fresh = Planner(PROFILE, config(up_cooldown_s=0))  # no record of when they were asked
+    assert fresh.decide(40, later, pools(4, 2, starting=(2, 0))).desired[P] > 6
+
+
+def test_decode_sequences_waiting_for_a_slot_count_only_if_a_start_up_leaves_them(monkeypatch):
+    # 500 sequences waiting behind 100 running, 100-token answers: a slot frees every
+    # 5 s / 169 (100 tokens at the 50 ms target, batch 169 at this context), so the ready
+    # worker admits (169 / 5 - 20 arriving) x 60 s = 828 before a new worker would serve.
+    def decode_after(waiting: int) -> int:
+        w = window(0, 20, decode_running=100, decode_waiting=waiting)
+        return Planner(PROFILE, config()).decide(10, w, pools(1, 1)).desired[D]
+
+    assert decode_after(500) == 1
+    assert decode_after(5000) > 1  # 4,172 are still waiting then
+    monkeypatch.setattr(policy, "residual_decode", lambda *args: args[2])
+    assert decode_after(500) == 4  # each waiting sequence counted as needing a slot now
 
 
 def test_a_large_surplus_comes_down_a_share_at_a_time():

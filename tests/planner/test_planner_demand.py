@@ -8,6 +8,7 @@ from statistics import NormalDist
 import pytest
 from planner_fakes import window
 
+from cluster.planner import demand
 from cluster.planner.config import PlannerConfig
 from cluster.planner.demand import (
     CENSOR_QUANTILE,
@@ -67,6 +68,26 @@ def test_holt_follows_a_ramp_ahead_and_holds_a_constant():
         falling.update(max(0.0, 10.0 - 2 * i))
     assert falling.forecast(7) == 0.0  # never negative
     assert HoltForecast(0.5, 0.1, 0.85).forecast(3) == 0.0
+
+
+def test_a_step_up_that_lasts_two_windows_moves_the_level_at_once(monkeypatch):
+    """A 2.5x step: after its second window the forecast is the new rate; smoothing alone
+    (the detector off) is still far below it, and a single spike or a fall moves no level."""
+
+    def after(rates: list[float]) -> DemandTracker:
+        t = DemandTracker(PlannerConfig(interval_s=10), startup_s=60)
+        for i, rate in enumerate(rates):
+            t.observe(window(10 * i, rate))
+        return t
+
+    base = [4.9, 5.1] * 10
+    assert after(base + [12.5, 12.5]).holt.forecast(1) == pytest.approx(12.5)
+    spike = after(base + [12.5, 5.0])
+    assert spike.holt.forecast(1) < 8.0  # one window: the smoothing's share only
+    fall = after(base + [1.0, 1.0])
+    assert fall.holt.forecast(1) > 1.5  # a fall is left to the smoothing
+    monkeypatch.setattr(demand, "SHIFT_WINDOWS", 10**6)
+    assert after(base + [12.5, 12.5]).holt.forecast(1) < 11.0
 
 
 def test_tracker_forecasts_for_the_ready_time_and_scales_up_on_the_last_window():
