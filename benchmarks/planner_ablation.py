@@ -70,6 +70,10 @@ def parse_settings(items: list[str]) -> dict[str, object]:
             settings[name] = json.loads(raw)
         except json.JSONDecodeError:
             settings[name] = raw
+    try:  # the config's own checks, here rather than in a worker process
+        dataclasses.replace(PlannerConfig(), **settings)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"--set: {e}") from None
     return settings
 
 
@@ -120,6 +124,9 @@ def run_row(job: tuple[str, dict[str, object], str]) -> dict:
     profile = CapacityProfile.load(profile_path)
     out = {"row": row, "peak_ratios": peak_ratios(requests)}
     for label, cfg in (("baseline", config), ("changed", dataclasses.replace(config, **settings))):
+        if not settings and label == "changed":
+            out[label] = out["baseline"]  # the same run: nothing was changed
+            continue
         result = simulate(requests, profile, make_policy("planner", profile, cfg), sim)
         static = cheapest_static(points, result.attainment)
         out[label] = {

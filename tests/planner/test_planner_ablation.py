@@ -54,6 +54,11 @@ def test_a_setting_that_is_not_a_planner_field_is_refused(item):
         planner_ablation.parse_settings([item])
 
 
+def test_a_value_the_planner_config_refuses_is_refused_before_any_run():
+    with pytest.raises(SystemExit, match="down_fraction must be in"):
+        planner_ablation.parse_settings(["down_fraction=1.0"])
+
+
 def test_a_second_ten_times_the_minute_before_stands_at_ten():
     from types import SimpleNamespace
 
