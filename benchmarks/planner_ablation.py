@@ -22,8 +22,10 @@ skipped with a note.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -160,8 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"changed: {settings or 'nothing (both runs are the baseline)'}", flush=True)
     jobs = [(row, settings, args.profile) for row in rows]
     results = []
-    with ProcessPoolExecutor(max(1, args.jobs)) as pool:
-        for out in pool.map(run_row, jobs):
+    # One job runs in this process; more in spawned ones (a forked child would share this
+    # process's ZMQ and NIXL state when a test suite calls main).
+    pool = None
+    if args.jobs > 1:
+        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
+    with pool or contextlib.nullcontext():
+        for out in pool.map(run_row, jobs) if pool else map(run_row, jobs):
             results.append(out)
             if "skipped" in out:
                 print(f"{out['row']:13s} skipped: {out['skipped']}", flush=True)
