@@ -52,6 +52,7 @@ class ParsedRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     extra: dict = field(default_factory=dict)
     # Every prompt of a completions batch (prompt_ids is the first); one engine request each.
     prompts: list[list[int]] = field(default_factory=list)
@@ -246,7 +247,8 @@ class RequestParser:
             | (engine or {}),
         )
         stream = bool(req.stream)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
         stop = req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else []
         return ParsedRequest(
             kind=kind,
@@ -256,6 +258,7 @@ class RequestParser:
             stop=tuple(dict.fromkeys(stop)),
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=include_usage and bool(options.continuous_usage_stats),
             prompts=prompts,
             n=req.n,
             logprobs=logprobs,
@@ -426,4 +429,5 @@ def _ignored(req: Any) -> list[str]:
                 log.warning("ignoring unknown request field %r (not an OpenAI or vLLM field)", name)
     if isinstance(req, ChatCompletionRequest):  # elsewhere "messages" is an unknown field
         out += openai_fields.message_fields(req.messages)
-    return out
+    out += [name for name in getattr(req, "NOT_USED", ()) if getattr(req, name) is not None]
+    return out + openai_fields.nested_fields(req)

@@ -37,6 +37,7 @@ REFUSED = {
     "functions": "the legacy 'functions' field is not supported; use 'tools'",
     "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
     "spaces_between_special_tokens": "only the default (true) is supported",
+    "structural_tag": "structural tags are not supported; use a grammar",
 }
 
 
@@ -58,4 +59,27 @@ def message_fields(messages: list[Any]) -> list[str]:
             used = name == "function_call" and legacy_call
             if getattr(message, name) not in (None, [], "") and not used:  # set to something
                 out.append(f"messages[{i}].{name}")
+        if isinstance(message.content, list):  # a text part's other keys (`cache_control`)
+            for j, part in enumerate(message.content):
+                out += [f"messages[{i}].content[{j}].{k}" for k in sorted(part.model_extra or {})]
+    return out
+
+
+# Request objects whose unknown keys nothing reads (a tool's are passed to the chat template).
+NESTED = ("stream_options", "response_format", "structured_outputs")
+
+
+def nested_fields(req: Any) -> list[str]:
+    """Set keys of a request's objects that have no effect, by path: unknown keys
+    (`structured_outputs.disable_any_whitespace`), and continuous usage stats not asked for
+    with include_usage (vLLM's rule: they need it)."""
+    out = []
+    for name in NESTED:
+        value = getattr(req, name, None)
+        out += [f"{name}.{key}" for key in sorted(getattr(value, "model_extra", None) or {})]
+        schema = getattr(value, "json_schema", None)  # response_format.json_schema
+        out += [f"{name}.json_schema.{k}" for k in sorted(getattr(schema, "model_extra", {}) or {})]
+    options = getattr(req, "stream_options", None)
+    if getattr(options, "continuous_usage_stats", None) and not options.include_usage:
+        out.append("stream_options.continuous_usage_stats")
     return out

@@ -228,9 +228,11 @@ def openapi_document(served_model_name: str) -> dict:
             "description": (
                 "OpenAI-compatible completions and chat completions (with vLLM's extra "
                 "sampling fields), vLLM's utility routes, health and metrics. Unknown body "
-                "fields on the generation routes are accepted, logged, and named back in the "
-                "X-Tandem-Ignored-Fields header; refused OpenAI fields get a 400. Unknown "
-                "paths get a 404 and wrong methods a 405, both with the OpenAI error body. "
+                "fields on the generation routes (and unknown keys of their stream_options, "
+                "response_format and structured_outputs, by path) are accepted, logged, and "
+                "named back in the X-Tandem-Ignored-Fields header; refused OpenAI fields get a "
+                "400. Unknown paths get a 404 and wrong methods a 405, both with the OpenAI "
+                "error body. "
                 f"Bodies are read as JSON whatever their Content-Type, up to {_BODY_LIMIT}."
             ),
         },

@@ -1,14 +1,12 @@
 """The bodies of the router's HTTP API as pydantic v2 models: the one definition of what a
 request may hold, validated straight from its bytes, and the source of /openapi.json.
 
-Lifecycle of a request body: bytes (`router.openai_api.read_body`: read with a deadline, size and
-lone-surrogate checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an
-int, a string not a number; every bound here, the sampling ones imported from
-engine.protocol; token ids within the vocabulary) -> router/openai_api.py turns the model
-into a `ParsedRequest` (tokenizer, chat template, context window, structured-output compile). A
-`ValidationError` becomes one 4xx by `api_error`: the first error in this order, so a body with
-several mistakes is always told the same:
-
+A body's bytes (`router.openai_api.read_body`: read with a deadline, size and lone-surrogate
+checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an int, a
+string not a number; every bound here, the sampling ones from engine.protocol; token ids within
+the vocabulary) -> router/openai_api.py makes a `ParsedRequest` (tokenizer, chat template,
+context window, structured-output compile). A `ValidationError` becomes one 4xx by
+`api_error`, the first error in this order (several mistakes are always told the same):
 1. the body is not JSON, or not a JSON object (400 `invalid_json`);
 2. `model` names another model (404 `model_not_found`);
 3. an unknown top-level field where unknown fields are refused (/tokenize, /detokenize);
@@ -16,15 +14,16 @@ several mistakes is always told the same:
 5. the rules across fields (the model validators, in the order written);
 6. the checks that need the tokenizer or the engine (router/openai_api.py).
 
-Unknown top-level fields of the generation routes are kept (`extra="allow"`) and named back in
-`X-Tandem-Ignored-Fields`; OpenAI fields tandem does not serve are refused by name (`REFUSED`).
+Unknown fields of the generation routes are kept (`extra="allow"`) and named back in
+`X-Tandem-Ignored-Fields` (nested ones by their path, `stream_options.x`); OpenAI fields tandem
+does not serve are refused by name (`REFUSED`).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (
     AfterValidator,
@@ -218,15 +217,11 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class _Open(BaseModel):
-    """Unknown keys are kept (and passed on where the object is passed on)."""
-
+class _Open(BaseModel):  # unknown keys are kept: passed on with the object, or named back
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class TextPart(_Open):
-    """Only text parts are supported."""
-
+class TextPart(_Open):  # only text parts are supported
     type: Literal["text"]
     text: str
 
@@ -318,6 +313,7 @@ ToolChoice = one_of(
 
 class StreamOptions(_Open):
     include_usage: bool | None = flag("a last chunk with the usage")
+    continuous_usage_stats: bool | None = flag("vLLM: with include_usage, usage on every chunk")
 
 
 class JsonSchemaSpec(_Open):
@@ -364,6 +360,8 @@ class StructuredOutputs(_Open):
     regex: GuidedRegex = None
     choice: GuidedChoice = None
     grammar: GuidedGrammar = None
+    json_object: bool | None = flag("true: any JSON object (as response_format json_object)")
+    structural_tag: _refused("structural_tag") = None
 
 
 # ------------------------------------------------------------------ request bodies
@@ -410,6 +408,7 @@ class _Request(_Open):
     logit_bias: LogitBias | None = Field(None, examples=[{"15": 5.0, "42": -100}, {}])
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
     user: Any = Field(None, description="OpenAI's end-user id: accepted, not used")
+    NOT_USED: ClassVar[tuple[str, ...]] = ("user",)  # named back in X-Tandem-Ignored-Fields
     top_k: Annotated[int, Field(ge=-1)] | None = flag("-1 or 0: off")
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=REPETITION_PENALTY_MAX)] | None = None
@@ -466,6 +465,8 @@ class _Request(_Open):
             if value is not None:
                 param = "structured_outputs" if so else f"guided_{name}"
                 specs.append((param, (kind, json.dumps(value) if kind == "choice" else value)))
+        if so and so.json_object:
+            specs.append(("structured_outputs", ("json_object", "")))
         return specs
 
 

@@ -15,7 +15,7 @@ the request into a chat completions body, so a Responses request runs exactly as
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -287,6 +287,10 @@ class ResponsesRequest(BaseModel):
     truncation: _refused("truncation") = None
     max_tool_calls: _refused("max_tool_calls") = None
     top_logprobs: _refused("top_logprobs") = None
+    # Accepted without effect: named back in X-Tandem-Ignored-Fields when set.
+    NOT_USED: ClassVar[tuple[str, ...]] = (
+        "stream_options", "user", "safety_identifier", "prompt_cache_key", "service_tier"
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _tool_rules(self) -> ResponsesRequest:

@@ -210,7 +210,9 @@ class StreamWriter:
             or parsed.extra.get("echo_text")
             or parsed.logprobs is not None
             or (parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"))
+            or parsed.continuous_usage
         )
+        self.generated: dict[int, int] = {}  # choice index -> tokens so far (continuous usage)
         self.text_events = responses.TextEvents(parsed, run.rid, created)
 
     def role_events(self) -> list[bytes]:
@@ -223,9 +225,25 @@ class StreamWriter:
             return []
         total = len(parsed.prompts) * parsed.n
         return [
-            responses.chunk(parsed, self.run.rid, self.created, "", None, first=True, index=i)
+            self._usage_of(
+                responses.chunk(parsed, self.run.rid, self.created, "", None, first=True, index=i),
+                i,
+            )
             for i in range(total)
         ]
+
+    def _usage_of(self, chunk: dict[str, Any], index: int) -> dict[str, Any]:
+        """`chunk` with its choice's usage so far when continuous usage stats are asked for
+        (vLLM's form: the prompt's tokens and the choice's generated tokens)."""
+        parsed = self.run.parsed
+        if parsed.continuous_usage:
+            prompt, done = len(parsed.prompts[index // parsed.n]), self.generated.get(index, 0)
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": done,
+                "total_tokens": prompt + done,
+            }
+        return chunk
 
     def events(self, p: int, piece: Piece) -> list[bytes]:
         """The server-sent events of `chunks(p, piece)`: the same bytes."""
@@ -239,6 +257,8 @@ class StreamWriter:
     def chunks(self, p: int, piece: Piece) -> list[dict[str, Any]]:
         parsed = self.run.parsed
         index = p * parsed.n + piece.choice
+        if not parsed.echo_only:
+            self.generated[index] = self.generated.get(index, 0) + piece.num_tokens
         text, logprobs = self._text_and_logprobs(p, index, piece)
         tool_calls = None
         if parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"):
@@ -251,15 +271,18 @@ class StreamWriter:
         if not text and finish is None and not tool_calls and not logprobs:
             return []
         return [
-            responses.chunk(
-                parsed,
-                self.run.rid,
-                self.created,
-                text,
-                finish,
-                index=index,
-                logprobs=logprobs,
-                tool_calls=tool_calls,
+            self._usage_of(
+                responses.chunk(
+                    parsed,
+                    self.run.rid,
+                    self.created,
+                    text,
+                    finish,
+                    index=index,
+                    logprobs=logprobs,
+                    tool_calls=tool_calls,
+                ),
+                index,
             )
         ]
 

@@ -25,7 +25,7 @@ WHOLE_PACKAGES = ("tests/fuzz/", "tests/interop/")
 
 # The longest units, longest first (seconds measured in one worker, rounded).
 LONGEST_FIRST = (
-    "tests/interop/",  # 195 s
+    "tests/interop/",  # 195 s (+~30 s: guidellm, 2026-11-29)
     "tests/autoscale/test_live_autoscale.py",  # 158
     "tests/faults/test_worker_faults.py",  # 147
     "tests/e2e/test_serve_quantized.py",  # 142

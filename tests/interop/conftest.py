@@ -50,3 +50,13 @@ def client(server):
 def model_name(client) -> str:
     """The served model name, as a client finds it (the e2e tests do the same)."""
     return client.models.list().data[0].id
+
+
+@pytest.fixture(scope="module")
+def chat(client, model_name):
+    """`client.chat.completions.create` for the served model."""
+
+    def create(**kwargs):
+        return client.chat.completions.create(model=model_name, **kwargs)
+
+    return create

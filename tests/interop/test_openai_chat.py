@@ -67,14 +67,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def chat(client, model_name):
-    def create(**kwargs):
-        return client.chat.completions.create(model=model_name, **kwargs)
-
-    return create
-
-
 def test_conversations_take_both_paths(client, model_name, reference):
     assert len(reference.chat_ids(USER)) < THRESHOLD <= len(reference.chat_ids(LONG))
     for messages, path in ((USER, "local"), (LONG, "remote")):

@@ -105,6 +105,21 @@ def test_request_runs_as_its_chat_request(api, model_info):
     assert forced.tools[0]["function"]["name"] == "get_weather"
 
 
+def test_vllm_sampling_fields_reach_the_chat_request(api):
+    """Benchmark clients (aiperf, guidellm) send vLLM's ignore_eos for fixed answer lengths:
+    it and the other sampling fields the chat route reads are used, not named back; fields
+    accepted without effect are named back when set."""
+    call = api.parse({"input": "x", "ignore_eos": True, "min_tokens": 3, "top_k": 5,
+                      "repetition_penalty": 1.2, "stop": ["\n"], "user": "u",
+                      "stream_options": {"include_usage": True}})  # fmt: skip
+    s = call.parsed.sampling
+    assert (s.ignore_eos, s.min_tokens, s.top_k, s.repetition_penalty) == (True, 3, 5, 1.2)
+    assert call.parsed.stop == ("\n",)
+    assert call.parsed.ignored_fields == ["stream_options", "user"]
+    e = _error(api, {"input": "x", "top_k": -5})
+    assert (e.status, e.param) == (400, "top_k")
+
+
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [

@@ -1,0 +1,149 @@
+"""NVIDIA's aiperf (Dynamo's benchmark client) against a live `tandem serve`, on its chat,
+completions and Responses endpoint types: every request must succeed, with the answer length
+asked for (`--extra-inputs ignore_eos:true`) and the prompt length it built.
+
+aiperf cannot share the project's environment (it pins pyzmq~=26.4, rich, pandas and more
+against what tandem's own packages need), so it runs from its own virtual environment, made
+on first use (`--venv`, default .venv-aiperf; `pip install aiperf==0.13.0` from the package
+registry, about a minute), and this check is not part of `make test` (tests/interop/
+test_guidellm.py runs guidellm there, the other benchmark client).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/interop_aiperf.py          # ~2 min the first time
+    ... --json benchmarks/results/interop_aiperf.json
+
+Token counts: with `--use-server-token-count` aiperf reads the server's usage. On the
+Responses endpoint it reads usage only from a `response.completed` event, and a response cut
+at `max_output_tokens` ends, as OpenAI's does, with `response.incomplete`, so there it would
+count nothing: that run counts with the tokenizer instead (re-tokenized text may count a few
+tokens more or fewer than were generated, so only the chat and completions answers are held
+to the exact length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.common import log, machine_info, write_json  # noqa: E402
+
+AIPERF = "aiperf==0.13.0"
+ENDPOINTS = ("chat", "completions", "responses")
+SERVE_FLAGS = ("--dtype", "float32", "--prefill", "1", "--decode", "1",
+               "--disagg-threshold", "24", "--num-cpus", "2")  # fmt: skip
+
+
+def ensure_venv(venv: Path) -> Path:
+    """The aiperf executable of `venv`, made and installed there first if missing."""
+    exe = venv / "bin" / "aiperf"
+    if not exe.exists():
+        log(f"making {venv} and installing {AIPERF} (once)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", AIPERF]
+        subprocess.run(pip, check=True)
+    return exe
+
+
+def start_serve(model: Path, workdir: Path, timeout_s: float = 180.0) -> tuple:
+    """(process, url) of a `tandem serve` of `model` on a free port."""
+    ready = workdir / "ready.json"
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", "0"]
+    cmd += ["--ready-file", str(ready), *SERVE_FLAGS]
+    out = open(workdir / "serve.log", "w")  # noqa: SIM115 - open for the server's lifetime
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    t0 = time.monotonic()
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
+            proc.kill()
+            raise RuntimeError(f"tandem serve did not start (see {workdir}/serve.log)")
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def profile(exe: Path, url: str, model: Path, endpoint: str, out: Path, args) -> dict:
+    """One aiperf run; its summary JSON."""
+    cmd = [
+        str(exe), "profile", "--model", model.name, "--url", url, "--endpoint-type", endpoint,
+        "--streaming", "--concurrency", str(args.concurrency),
+        "--request-count", str(args.requests),
+        "--synthetic-input-tokens-mean", str(args.prompt_tokens),
+        "--synthetic-input-tokens-stddev", "0",
+        "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
+        "--tokenizer", str(model), "--extra-inputs", "ignore_eos:true",
+        "--ui-type", "none", "--artifact-dir", str(out),
+    ]  # fmt: skip
+    if endpoint != "responses":  # see the module doc
+        cmd.append("--use-server-token-count")
+    # (HF_HUB_OFFLINE=1 would make aiperf 0.13 read the local tokenizer path as a hub id.)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf {endpoint} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+    return json.loads((out / "profile_export_aiperf.json").read_text())
+
+
+def judge(endpoint: str, summary: dict, args) -> dict:
+    """The run's counts, and whether it passed."""
+    count = int(summary["request_count"]["avg"])
+    errors = int((summary.get("error_request_count") or {}).get("avg", 0))
+    osl = summary.get("output_sequence_length") or {}
+    isl = summary.get("input_sequence_length") or {}
+    exact = endpoint != "responses"  # see the module doc
+    ok = count == args.requests and errors == 0 and osl.get("count") == args.requests
+    if exact:
+        ok = ok and osl.get("min") == osl.get("max") == args.output_tokens
+    return {
+        "endpoint": endpoint,
+        "requests": count,
+        "errors": errors,
+        "output_tokens": [osl.get("min"), osl.get("max")],
+        "input_tokens": [isl.get("min"), isl.get("max")],
+        "ttft_ms_p50": (summary.get("time_to_first_token") or {}).get("p50"),
+        "requests_per_s": (summary.get("request_throughput") or {}).get("avg"),
+        "exact_output_length": exact,
+        "ok": bool(ok),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--venv", type=Path, default=REPO / ".venv-aiperf")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=64)  # over the threshold: remote path
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    exe = ensure_venv(args.venv)
+    with tempfile.TemporaryDirectory(prefix="tandem-aiperf-") as tmp:
+        work = Path(tmp)
+        model = work / "tiny-llama"
+        make = [sys.executable, "-m", "cluster.cli", "make-model", str(model)]
+        make += ["--train-steps", "50"]
+        subprocess.run(make, check=True, cwd=REPO, capture_output=True)
+        proc, url = start_serve(model, work)
+        try:
+            rows = [judge(e, profile(exe, url, model, e, work / e, args), args) for e in ENDPOINTS]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    for r in rows:
+        print(json.dumps(r))
+    if args.json:
+        command = " ".join(["benchmarks/interop_aiperf.py", *(argv or sys.argv[1:])])
+        doc = {"client": AIPERF, "command": command, "machine": machine_info(2), "rows": rows}
+        write_json(args.json, doc)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
