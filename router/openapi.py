@@ -97,6 +97,11 @@ class ModelCard(BaseModel):
     max_model_len: Count
 
 
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"]
+    input_tokens: Count
+
+
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
@@ -136,7 +141,7 @@ class Version(BaseModel):
 _MODELS = (
     CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
     DetokenizeRequest, ErrorBody, Completion, ResponseObject, ResponseDeleted, ModelList,
-    Health, Readiness, TokenizeResponse, DetokenizeResponse, Version,
+    ModelCard, InputTokens, Health, Readiness, TokenizeResponse, DetokenizeResponse, Version,
 )  # fmt: skip
 
 
@@ -319,6 +324,13 @@ def _stored_response() -> dict:
     return {"get": got | {"parameters": [param]}, "delete": deleted | {"parameters": [param]}}
 
 
+def _model_route() -> dict:
+    """GET one model: the served name or its path (a path holds slashes); else a 404."""
+    param = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+    got = _get("retrieveModel", _json("ModelCard", "the served model"), 404)["get"]
+    return {"get": got | {"parameters": [param]}}
+
+
 def _paths() -> dict:
     prometheus = {"description": "Prometheus text", "content": {"text/plain": {"schema": {
         "type": "string"}}}}  # fmt: skip
@@ -335,8 +347,16 @@ def _paths() -> dict:
         "/v1/responses": _generation(
             "createResponse", "ResponsesRequest", "ResponseObject", RESPONSES_CHECKS
         ),
+        "/v1/responses/input_tokens": _post(
+            "countResponseInputTokens",
+            "ResponsesRequest",
+            _json("InputTokens", "the prompt tokens the body would run; nothing generated"),
+            (400, 401, 404, 408, 413),
+            RESPONSES_CHECKS,
+        ),
         "/v1/responses/{response_id}": _stored_response(),
         "/v1/models": _get("listModels", _json("ModelList", "the served model")),
+        "/v1/models/{model}": _model_route(),
         "/health": _probe("health", "liveness: the router serves"),
         "/ready": _probe("ready", "readiness: a decode-capable worker is up, not draining"),
         "/metrics": _get("metrics", prometheus),

@@ -194,11 +194,13 @@ class RouterServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._model)  # an alias may be a path
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         assert self.responses_api is not None
         app.router.add_post("/v1/responses", self._responses)
+        app.router.add_post("/v1/responses/input_tokens", self._responses_input_tokens)
         app.router.add_get("/v1/responses/{response_id}", self.responses_api.get)
         app.router.add_delete("/v1/responses/{response_id}", self.responses_api.delete)
         info, parser = self.model_info, self.parser
@@ -370,23 +372,28 @@ class RouterServer:
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_S)},
         )
 
-    async def _models(self, request: web.Request) -> web.Response:
+    def _model_card(self) -> dict[str, Any]:
         assert self.model_info is not None
-        return web.json_response(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.config.served_model_name,
-                        "object": "model",
-                        "created": self._created,
-                        "owned_by": "tandem",
-                        "root": self.config.model_path,
-                        "max_model_len": self.model_info.max_model_len,
-                    }
-                ],
-            }
-        )
+        return {
+            "id": self.config.served_model_name,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "tandem",
+            "root": self.config.model_path,
+            "max_model_len": self.model_info.max_model_len,
+        }
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the served model by its name (or its path), else a 404."""
+        assert self.parser is not None
+        name = request.match_info["model"]
+        if name not in (self.parser.served_model_name, *self.parser.limits.aliases):
+            message = f"The model `{name}` does not exist."
+            raise APIError(404, message, param="model", code="model_not_found")
+        return web.json_response(self._model_card())
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
@@ -421,6 +428,14 @@ class RouterServer:
         assert self.responses_api is not None
         call = self.responses_api.parse(body)
         return await self._serve(request, call.parsed, call.rid, call)
+
+    async def _responses_input_tokens(self, request: web.Request) -> web.Response:
+        """POST /v1/responses/input_tokens: the prompt tokens a /v1/responses body would run
+        (its conversation through the chat template, tools included); nothing is generated."""
+        assert self.responses_api is not None
+        body = await self._read_body(request)
+        tokens = len(self.responses_api.parse(body).parsed.prompt_ids)
+        return web.json_response({"object": "response.input_tokens", "input_tokens": tokens})
 
     def _early_refusal(self) -> web.Response | None:
         """503 `draining` or 429 `queue_full` before the body is even read (the cheapest

@@ -239,6 +239,19 @@ def test_ignored_fields_header_and_raw_errors(make_router):
     assert e.value.body["param"] == "tools" and "file_search" in e.value.body["message"]
 
 
+def test_input_tokens_counts_the_prompt_a_response_would_run(make_router, api):
+    """POST /v1/responses/input_tokens: the rendered conversation's tokens (the SDK's
+    `responses.input_tokens.count`), nothing generated; a bad body is the same 400."""
+    h = make_router()
+    client = h.openai()
+    body = {"input": "Hi there", "instructions": "Be short.", "tools": [WEATHER]}
+    got = client.responses.input_tokens.count(model=SERVED, **body)
+    assert got.input_tokens == len(api.parse(body).parsed.prompt_ids) > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_tokens.count(model=SERVED, input="x", previous_response_id="nope")
+    assert e.value.body["param"] == "previous_response_id"
+
+
 def test_full_queue_is_429_with_retry_after(make_router):
     worker = HoldingWorker("d0")
     h = make_router(workers=[worker], max_queued_requests=0, max_queued_prompt_tokens=1)

@@ -352,6 +352,20 @@ def test_api_key(make_router):
     assert "sekret" not in repr(h.server.config)
 
 
+def test_one_model_by_name_or_path_and_an_unknown_one_is_404(make_router):
+    import openai
+
+    h = make_router()
+    client = h.openai()
+    card = client.models.retrieve("tiny-llama")
+    assert (card.id, card.object) == ("tiny-llama", "model")
+    by_path = client.models.retrieve(str(h.server.config.model_path))  # a path holds slashes
+    assert by_path.id == "tiny-llama"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("other-model")
+    assert e.value.body["code"] == "model_not_found" and "other-model" in e.value.body["message"]
+
+
 def test_metrics_names(make_router):
     h = make_router()
     h.openai().completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=5)
