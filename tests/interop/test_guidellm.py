@@ -5,7 +5,10 @@ guidellm sends what benchmark users send: synthetic prompts of an exact token co
 with `stream_options: {include_usage, continuous_usage_stats}` (vLLM's), `ignore_eos` and a
 token limit for a fixed answer length, and reads the counts from the server's usage. Every
 request must succeed with exactly the answer length asked for, the prompt counted as guidellm
-built it, and the answer streamed token by token; every KV block comes back afterwards.
+built it, and the answer streamed token by token. Its multi-turn conversations (each turn sends
+the history back, after a prefix all conversations share) must find the history in the prefix
+cache: `usage.prompt_tokens_details.cached_tokens`, which guidellm records per request. Every
+KV block comes back afterwards.
 """
 
 from __future__ import annotations
@@ -22,14 +25,19 @@ PROMPT_TOKENS, OUTPUT_TOKENS = 32, 8  # 32 > the package's disagg threshold: the
 FORMATS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
 
 
-def _guidellm(url: str, model: str, request_format: str, out: str) -> dict:
+BLOCK = 16  # the engine's KV block: the prefix cache reuses whole blocks
+MULTITURN = f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}," \
+    "turns=3,prefix_tokens=16,prefix_count=1"  # fmt: skip
+
+
+def _guidellm(url: str, model: str, request_format: str, out: str, data: str = "") -> dict:
     cmd = [
         sys.executable, "-m", "guidellm", "run",
         "--backend", f"kind=openai_http,target={url},request_format={request_format}",
         "--profile", f"kind=concurrent,streams={STREAMS}",
         "--constraint", f"kind=max_requests,count={REQUESTS}",
-        "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},"
-                  f"output_tokens={OUTPUT_TOKENS}",
+        "--data", data or f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},"
+                          f"output_tokens={OUTPUT_TOKENS}",
         "--tokenizer", f"kind=huggingface_auto,model={model}",
         "--output", f"kind=json,path={out}",
         "--disable-console",
@@ -73,5 +81,30 @@ def test_prompts_are_counted_as_guidellm_built_them(run):
         assert count > PROMPT_TOKENS
 
 
-def test_every_kv_block_returned(run, server):
+@pytest.fixture(scope="module")
+def multiturn(server, interop_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("guidellm-multiturn") / "report.json"
+    fmt = "/v1/chat/completions"
+    return _guidellm(server.url, str(interop_model), fmt, str(out), MULTITURN)["successful"]
+
+
+def test_multiturn_history_comes_from_the_prefix_cache(multiturn):
+    assert len(multiturn) == REQUESTS
+    by_conversation: dict[str, dict[int, dict]] = {}
+    for r in multiturn:
+        by_conversation.setdefault(r["info"]["conversation_id"], {})[r["info"]["turn_index"]] = r
+    later = 0
+    for turns in by_conversation.values():
+        for k in sorted(turns)[1:]:
+            if k - 1 not in turns:
+                continue
+            before, now = turns[k - 1], turns[k]
+            history = before["input_metrics"]["text_tokens"]  # sent again, in front
+            assert now["input_metrics"]["text_tokens"] > history
+            assert now["input_metrics"]["cached_tokens"] >= history // BLOCK * BLOCK, now
+            later += 1
+    assert later >= REQUESTS // 3, by_conversation.keys()  # turns 2 and 3 of most
+
+
+def test_every_kv_block_returned(run, multiturn, server):
     server.wait_all_blocks_free()
