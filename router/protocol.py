@@ -150,13 +150,15 @@ _PROMPT_SCHEMA = Union[  # noqa: UP007
 Prompt = Annotated[Any, PlainValidator(_prompt, json_schema_input_type=_PROMPT_SCHEMA)]
 
 
-def _loads(value: Any, what: str = "is not valid JSON") -> Any:
-    """A JSON text -> its value; any other value as it is."""
+def _loads(value: Any, what: str | None = "is not valid JSON") -> Any:
+    """JSON text -> its value; other values as they are (`what` None: non-JSON text too)."""
     if not isinstance(value, str):
         return value
     try:
         return json.loads(value)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, huge ints, depth
+        if what is None:
+            return value
         raise fail(f"{what}: {e}") from e
 
 
@@ -176,9 +178,8 @@ JsonSchemaText = Annotated[
 
 def _refused(name: str) -> Any:
     """A field tandem refuses unless it is left at its default."""
-    defaults: list[Any] = (
-        [True, None] if name == "spaces_between_special_tokens" else [None, "", []]
-    )
+    spaces = name == "spaces_between_special_tokens"
+    defaults: list[Any] = [True, None] if spaces else [None, "", []]
 
     def check(value: Any) -> Any:
         if not any(value == d and type(value) is type(d) for d in defaults):
@@ -230,7 +231,7 @@ class CalledFunction(_Open):
     name: str
     arguments: Annotated[
         one_of("JSON text or an object", string=str, object=dict[str, Any]),
-        AfterValidator(lambda v: _loads(v, "are not JSON")),
+        AfterValidator(lambda v: _loads(v, None)),  # a call cut at max_tokens comes back cut
         Field(examples=['{"city": "Paris"}', {"city": "Paris"}]),
     ] = "{}"
 
@@ -341,8 +342,7 @@ class ResponseFormat(_Open):
 _GUIDED_EXAMPLES = {
     "json": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
              '{"type": "string", "maxLength": 8}'],
-    "regex": ["[a-z]{1,8}", "(yes|no)"],
-    "choice": [["yes", "no"], ["a", "b"]],
+    "regex": ["[a-z]{1,8}", "(yes|no)"], "choice": [["yes", "no"], ["a", "b"]],
     "grammar": ['start: "yes" | "no"'],
 }  # fmt: skip
 GuidedJson = Annotated[JsonSchemaText | None, Field(examples=_GUIDED_EXAMPLES["json"])]

@@ -7,8 +7,11 @@ token limit for a fixed answer length, and reads the counts from the server's us
 request must succeed with exactly the answer length asked for, the prompt counted as guidellm
 built it, and the answer streamed token by token. Its multi-turn conversations (each turn sends
 the history back, after a prefix all conversations share) must find the history in the prefix
-cache: `usage.prompt_tokens_details.cached_tokens`, which guidellm records per request. Every
-KV block comes back afterwards.
+cache: `usage.prompt_tokens_details.cached_tokens`, which guidellm records per request. Its
+tool-calling conversations (a first turn with `tool_choice: "required"` and no token limit, a
+second that sends the call and a tool result back) must run: the random model's call is cut at
+the context window, and the cut call comes back in the history. Every KV block comes back
+afterwards.
 """
 
 from __future__ import annotations
@@ -106,5 +109,23 @@ def test_multiturn_history_comes_from_the_prefix_cache(multiturn):
     assert later >= REQUESTS // 3, by_conversation.keys()  # turns 2 and 3 of most
 
 
-def test_every_kv_block_returned(run, multiturn, server):
+@pytest.fixture(scope="module")
+def tool_turns(server, interop_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("guidellm-tools") / "report.json"
+    data = f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}," \
+        "turns=2,tool_call_turns=[0]"  # fmt: skip
+    return _guidellm(server.url, str(interop_model), "/v1/chat/completions", str(out), data)
+
+
+def test_tool_call_turns_run_and_the_calls_come_back(tool_turns):
+    assert tool_turns["errored"] == [] and tool_turns["incomplete"] == []
+    by_turn: dict[int, list] = {}
+    for r in tool_turns["successful"]:
+        by_turn.setdefault(r["info"]["turn_index"], []).append(r)
+    assert by_turn.get(0) and by_turn.get(1), by_turn.keys()
+    for r in by_turn[0]:
+        assert [c["function"]["name"] for c in r["tool_calls"]], r["output"]  # a call, forced
+
+
+def test_every_kv_block_returned(run, multiturn, tool_turns, server):
     server.wait_all_blocks_free()

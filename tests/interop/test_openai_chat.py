@@ -346,6 +346,20 @@ def test_forced_call_cut_by_length_is_returned_as_a_call(chat):
     assert args and whole.startswith(args) and len(args) < len(whole)
 
 
+def test_a_cut_call_sent_back_is_accepted(chat):
+    """The cut call above, sent back as the answer gave it (its arguments are not JSON), with
+    the tool's result: the next turn runs (OpenAI accepts any arguments text in history)."""
+    cut = chat(messages=USER, max_tokens=4, temperature=0, tools=TOOLS,
+               tool_choice=NAMED_WEATHER).choices[0].message  # fmt: skip
+    (call,) = cut.tool_calls
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call.function.arguments)
+    result = {"role": "tool", "tool_call_id": call.id, "content": "sunny"}
+    history = [*USER, cut.model_dump(exclude_none=True), result]
+    answer = chat(messages=history, max_tokens=4, temperature=0, tools=TOOLS).choices[0]
+    assert answer.finish_reason in ("length", "stop", "tool_calls"), answer
+
+
 @pytest.mark.parametrize("choice", [NAMED_WEATHER, "required"], ids=["named", "required"])
 def test_forced_call_arguments_stream_as_they_are_generated(client, model_name, chat, choice):
     kwargs = dict(messages=USER, max_tokens=200, temperature=0, tools=TOOLS, tool_choice=choice)
