@@ -1,6 +1,8 @@
 """NVIDIA's aiperf (Dynamo's benchmark client) against a live `tandem serve`, on its chat,
-completions and Responses endpoint types: every request must succeed, with the answer length
-asked for (`--extra-inputs ignore_eos:true`) and the prompt length it built.
+completions and Responses endpoint types and on multi-turn chat conversations: every request
+must succeed, with the answer length asked for (`--extra-inputs ignore_eos:true`) and the prompt
+length it built, and the conversations' later turns must find their history in the prefix
+cache (aiperf's `usage_prompt_cache_read_tokens`, from the server's usage).
 
 aiperf cannot share the project's environment (it pins pyzmq~=26.4, rich, pandas and more
 against what tandem's own packages need), so it runs from its own virtual environment, made
@@ -37,7 +39,16 @@ if str(REPO) not in sys.path:
 from benchmarks.common import log, machine_info, write_json  # noqa: E402
 
 AIPERF = "aiperf==0.13.0"
-ENDPOINTS = ("chat", "completions", "responses")
+CONVERSATIONS, TURNS = 8, 3  # the multi-turn run: each turn sends the history back
+MULTITURN = ("--conversation-num", str(CONVERSATIONS), "--conversation-turn-mean", str(TURNS),
+             "--conversation-turn-stddev", "0")  # fmt: skip
+# run -> (aiperf's endpoint type, its extra arguments)
+RUNS = {
+    "chat": ("chat", ()),
+    "completions": ("completions", ()),
+    "responses": ("responses", ()),
+    "chat-multiturn": ("chat", MULTITURN),
+}
 SERVE_FLAGS = ("--dtype", "float32", "--prefill", "1", "--decode", "1",
                "--disagg-threshold", "24", "--num-cpus", "2")  # fmt: skip
 
@@ -70,12 +81,17 @@ def start_serve(model: Path, workdir: Path, timeout_s: float = 180.0) -> tuple:
     return proc, json.loads(ready.read_text())["url"]
 
 
-def profile(exe: Path, url: str, model: Path, endpoint: str, out: Path, args) -> dict:
+def expected_requests(run: str, args) -> int:
+    return CONVERSATIONS * TURNS if run == "chat-multiturn" else args.requests
+
+
+def profile(exe: Path, url: str, model: Path, run: str, out: Path, args) -> dict:
     """One aiperf run; its summary JSON."""
+    endpoint, extra = RUNS[run]
+    count = () if extra else ("--request-count", str(args.requests))
     cmd = [
         str(exe), "profile", "--model", model.name, "--url", url, "--endpoint-type", endpoint,
-        "--streaming", "--concurrency", str(args.concurrency),
-        "--request-count", str(args.requests),
+        "--streaming", "--concurrency", str(args.concurrency), *count, *extra,
         "--synthetic-input-tokens-mean", str(args.prompt_tokens),
         "--synthetic-input-tokens-stddev", "0",
         "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
@@ -87,22 +103,28 @@ def profile(exe: Path, url: str, model: Path, endpoint: str, out: Path, args) ->
     # (HF_HUB_OFFLINE=1 would make aiperf 0.13 read the local tokenizer path as a hub id.)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
-        raise RuntimeError(f"aiperf {endpoint} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        raise RuntimeError(f"aiperf {run} failed:\n{(done.stdout + done.stderr)[-3000:]}")
     return json.loads((out / "profile_export_aiperf.json").read_text())
 
 
-def judge(endpoint: str, summary: dict, args) -> dict:
-    """The run's counts, and whether it passed."""
+def judge(run: str, summary: dict, args) -> dict:
+    """The run's counts, and whether it passed: every request answered, none failed, the
+    answer length exact where the server's usage is read, and on the multi-turn run some
+    prompt tokens read from the prefix cache (the history each turn sends back)."""
     count = int(summary["request_count"]["avg"])
     errors = int((summary.get("error_request_count") or {}).get("avg", 0))
     osl = summary.get("output_sequence_length") or {}
     isl = summary.get("input_sequence_length") or {}
-    exact = endpoint != "responses"  # see the module doc
-    ok = count == args.requests and errors == 0 and osl.get("count") == args.requests
+    cached = (summary.get("overall_usage_prompt_cache_read_pct") or {}).get("avg")
+    want = expected_requests(run, args)
+    exact = run != "responses"  # see the module doc
+    ok = count == want and errors == 0 and osl.get("count") == want
     if exact:
         ok = ok and osl.get("min") == osl.get("max") == args.output_tokens
+    if run == "chat-multiturn":
+        ok = ok and (cached or 0) > 0
     return {
-        "endpoint": endpoint,
+        "run": run,
         "requests": count,
         "errors": errors,
         "output_tokens": [osl.get("min"), osl.get("max")],
@@ -110,6 +132,7 @@ def judge(endpoint: str, summary: dict, args) -> dict:
         "ttft_ms_p50": (summary.get("time_to_first_token") or {}).get("p50"),
         "requests_per_s": (summary.get("request_throughput") or {}).get("avg"),
         "exact_output_length": exact,
+        "prompt_cache_read_pct": cached,
         "ok": bool(ok),
     }
 
@@ -132,7 +155,7 @@ def main(argv=None) -> int:
         subprocess.run(make, check=True, cwd=REPO, capture_output=True)
         proc, url = start_serve(model, work)
         try:
-            rows = [judge(e, profile(exe, url, model, e, work / e, args), args) for e in ENDPOINTS]
+            rows = [judge(r, profile(exe, url, model, r, work / r, args), args) for r in RUNS]
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=60)

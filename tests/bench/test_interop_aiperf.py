@@ -12,7 +12,7 @@ from benchmarks.interop_aiperf import judge
 ARGS = SimpleNamespace(requests=32, output_tokens=16)
 
 
-def _summary(count=32, errors=None, osl=(16, 16), osl_count=32) -> dict:
+def _summary(count=32, errors=None, osl=(16, 16), osl_count=32, cached=None) -> dict:
     out = {
         "request_count": {"avg": count},
         "output_sequence_length": {"min": osl[0], "max": osl[1], "count": osl_count},
@@ -22,6 +22,8 @@ def _summary(count=32, errors=None, osl=(16, 16), osl_count=32) -> dict:
     }
     if errors is not None:
         out["error_request_count"] = {"avg": errors}
+    if cached is not None:
+        out["overall_usage_prompt_cache_read_pct"] = {"avg": cached}
     return out
 
 
@@ -41,3 +43,10 @@ def test_responses_lengths_are_the_tokenizers_and_not_held_exact():
     row = judge("responses", _summary(osl=(16, 22)), ARGS)
     assert row["ok"] and not row["exact_output_length"]
     assert not judge("chat", _summary(osl=(16, 22)), ARGS)["ok"]
+
+
+def test_the_multiturn_run_counts_its_conversations_and_needs_cache_reads():
+    turns = dict(count=24, osl_count=24)
+    assert judge("chat-multiturn", _summary(**turns, cached=49.0), ARGS)["ok"]
+    assert not judge("chat-multiturn", _summary(**turns, cached=0.0), ARGS)["ok"]
+    assert not judge("chat-multiturn", _summary(cached=49.0), ARGS)["ok"]  # 32: not 8 x 3
