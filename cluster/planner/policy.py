@@ -60,6 +60,9 @@ from .types import DECODE_POOL, PREFILL_POOL, Decision, PoolCounts
 
 POOLS = (PREFILL_POOL, DECODE_POOL)
 MAX_LOCAL_SHARE = 0.2  # above it, TTFT p90 is not the prefill pool's alone: no evidence
+# A window's TTFTs are evidence only if its arrivals are at least this share of them (steady
+# traffic: about one first token per arrival; a window after traffic stops: many per arrival).
+ARRIVALS_PER_SAMPLE = 2
 LATENCY_FACTOR = 1.1  # an up with a correction above this is put down to observed latency
 # Under a loose TTFT target (room to queue for more than a window), a TTFT p90 under this
 # share of the goal is no prefill evidence: the prefill factor only adds workers, and there
@@ -496,8 +499,11 @@ class Planner:
         self, pool: str, now: float, pools: PoolCounts, samples: int, window: WindowSignals
     ) -> bool:
         """Whether the window's latency of `pool` says something about its workers' speed:
-        enough samples, every worker settled (none starting, draining or just changed), and
-        no queue the backlog term already explains."""
+        enough samples, every worker settled (none starting, draining or just changed), no
+        queue the backlog term already explains, and (prefill) first tokens of requests the
+        window's own arrivals account for: the window after traffic stops holds the last
+        second's TTFTs at a rate near 0, which read as a 1.5x slower pool (syn-flat's last
+        decision started a fifth prefill worker)."""
         if samples < self.config.correction_min_samples or not math.isfinite(
             window.ttft.p90 if pool == PREFILL_POOL else window.tpot.p50
         ):
@@ -512,6 +518,8 @@ class Planner:
             return False
         if pool == DECODE_POOL:
             return window.decode_waiting == 0
+        if window.arrivals * ARRIVALS_PER_SAMPLE < samples:
+            return False  # latencies of an earlier load (traffic stopped): not this window's
         if window.arrivals and window.local_prefills / window.arrivals > MAX_LOCAL_SHARE:
             return False
         wl = self.demand.workload(window.arrival_rate)

@@ -357,6 +357,17 @@ def test_correction_ignores_unfair_windows(case):
     assert factors == [1.0] * 5
 
 
+def test_the_window_after_traffic_stops_is_not_prefill_evidence():
+    # The last second's requests get their first tokens in the window after the traffic
+    # stopped: many TTFTs, few arrivals, a rate near 0. Read against that rate a 2 s p90 is
+    # a much slower pool (syn-flat's last decision started a fifth prefill worker for it).
+    stopped = [window(10 * i, 1, 1000, 200, ttft=2.0, samples=60) for i in range(5)]
+    assert corrected(pinned(), stopped, (2, 2)) == [1.0] * 5
+    # The same latencies with arrivals that account for them are evidence.
+    arriving = [window(10 * i, 6, 1000, 200, ttft=2.0, samples=60) for i in range(5)]
+    assert corrected(pinned(), arriving, (2, 2))[-1] > 1.0
+
+
 def test_a_slow_start_does_not_inflate_the_correction():
     planner = Planner(PROFILE, config())
     low = needs(10)
