@@ -60,8 +60,8 @@ from .types import DECODE_POOL, PREFILL_POOL, Decision, PoolCounts
 
 POOLS = (PREFILL_POOL, DECODE_POOL)
 MAX_LOCAL_SHARE = 0.2  # above it, TTFT p90 is not the prefill pool's alone: no evidence
-# A window's TTFTs are evidence only if its arrivals are at least this share of them (steady
-# traffic: about one first token per arrival; a window after traffic stops: many per arrival).
+# TTFTs are evidence only with at least 1/this arrivals per first token in the window (steady
+# traffic: about one first token per arrival; the window after traffic stops: many per arrival).
 ARRIVALS_PER_SAMPLE = 2
 LATENCY_FACTOR = 1.1  # an up with a correction above this is put down to observed latency
 # Under a loose TTFT target (room to queue for more than a window), a TTFT p90 under this
