@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.live_server import LiveServer  # noqa: E402
 from benchmarks.common import log, machine_info, write_json  # noqa: E402
 
 AIPERF = "aiperf==0.13.0"
@@ -50,7 +49,7 @@ RUNS = {
     "chat-multiturn": ("chat", MULTITURN),
 }
 SERVE_FLAGS = ("--dtype", "float32", "--prefill", "1", "--decode", "1",
-               "--disagg-threshold", "24", "--num-cpus", "2")  # fmt: skip
+               "--disagg-threshold", "24")  # fmt: skip
 
 
 def ensure_venv(venv: Path) -> Path:
@@ -62,23 +61,6 @@ def ensure_venv(venv: Path) -> Path:
         pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", AIPERF]
         subprocess.run(pip, check=True)
     return exe
-
-
-def start_serve(model: Path, workdir: Path, timeout_s: float = 180.0) -> tuple:
-    """(process, url) of a `tandem serve` of `model` on a free port."""
-    ready = workdir / "ready.json"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", "0"]
-    cmd += ["--ready-file", str(ready), *SERVE_FLAGS]
-    out = open(workdir / "serve.log", "w")  # noqa: SIM115 - open for the server's lifetime
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
-    t0 = time.monotonic()
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() - t0 > timeout_s:
-            proc.kill()
-            raise RuntimeError(f"tandem serve did not start (see {workdir}/serve.log)")
-        time.sleep(0.1)
-    return proc, json.loads(ready.read_text())["url"]
 
 
 def expected_requests(run: str, args) -> int:
@@ -153,19 +135,23 @@ def main(argv=None) -> int:
         make = [sys.executable, "-m", "cluster.cli", "make-model", str(model)]
         make += ["--train-steps", "50"]
         subprocess.run(make, check=True, cwd=REPO, capture_output=True)
-        proc, url = start_serve(model, work)
+        server = LiveServer(model, work / "serve", *SERVE_FLAGS).start()
         try:
-            rows = [judge(r, profile(exe, url, model, r, work / r, args), args) for r in RUNS]
+            rows = [
+                judge(r, profile(exe, server.url, model, r, work / r, args), args) for r in RUNS
+            ]
+            busy = server.wait_blocks_free()  # every KV block back after aiperf's requests
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=60)
+            exit_code = server.stop()
     for r in rows:
         print(json.dumps(r))
+    print(json.dumps({"kv_blocks_in_use_after": busy, "serve_exit_code": exit_code}))
     if args.json:
         command = " ".join(["benchmarks/interop_aiperf.py", *(argv or sys.argv[1:])])
-        doc = {"client": AIPERF, "command": command, "machine": machine_info(2), "rows": rows}
+        doc = {"client": AIPERF, "command": command, "machine": machine_info(2), "rows": rows,
+               "kv_blocks_in_use_after": busy, "serve_exit_code": exit_code}  # fmt: skip
         write_json(args.json, doc)
-    return 0 if all(r["ok"] for r in rows) else 1
+    return 0 if all(r["ok"] for r in rows) and busy == 0 and exit_code == 0 else 1
 
 
 if __name__ == "__main__":

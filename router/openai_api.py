@@ -34,9 +34,10 @@ from pydantic import ValidationError
 
 from engine.protocol import SamplingParams
 from router import generic_tools, openai_fields
+from router.completion_protocol import CompletionRequest
 from router.errors import APIError, api_error, bad_request
 from router.openai_fields import ACCEPTED
-from router.protocol import ChatCompletionRequest, CompletionRequest, Limits
+from router.protocol import ChatCompletionRequest, Limits
 from router.tools import MISTRAL_CALLS, auto_tools_grammar, with_mistral_call_ids
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
-from router.protocol import ChatCompletionRequest, CompletionRequest, Count
+from router.completion_protocol import CompletionRequest
+from router.protocol import ChatCompletionRequest, Count
 from router.responses_protocol import ResponsesRequest
 from router.utility_routes import DetokenizeRequest, TokenizeRequest
 

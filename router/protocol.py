@@ -1,5 +1,6 @@
 """The bodies of the router's HTTP API as pydantic v2 models: the one definition of what a
-request may hold, validated straight from its bytes, and the source of /openapi.json.
+request may hold, validated straight from its bytes, and the source of /openapi.json. The
+completions body and its prompt forms are in router/completion_protocol.py.
 
 A body's bytes (`router.openai_api.read_body`: read with a deadline, size and lone-surrogate
 checks) -> `Model.model_validate_json(raw, context=Limits)` (strict: a bool is not an int, a
@@ -77,7 +78,7 @@ def _limits(info: ValidationInfo) -> Limits | None:
     return info.context if isinstance(info.context, Limits) else None
 
 
-def _vocab(info: ValidationInfo) -> int:
+def vocab_of(info: ValidationInfo) -> int:
     limits = _limits(info)
     return limits.vocab_size if limits else 1 << 62
 
@@ -101,7 +102,7 @@ def one_of(what: str, **branches: Any) -> Any:
 
 
 def _token_id(value: int, info: ValidationInfo) -> int:
-    vocab = _vocab(info)
+    vocab = vocab_of(info)
     if not 0 <= value < vocab:
         message = f"holds token id {value}, outside the vocabulary [0, {vocab})"
         raise fail(message, "invalid_token_id")
@@ -111,43 +112,6 @@ def _token_id(value: int, info: ValidationInfo) -> int:
 TokenId = Annotated[int, AfterValidator(_token_id), Field(json_schema_extra={"minimum": 0})]
 Text = Annotated[str, Field(min_length=1)]
 Count = Annotated[int, Field(ge=0)]
-
-
-def _prompt(value: Any, info: ValidationInfo) -> list[str | list[int]]:
-    """A string, token ids, or a batch of either -> the batch."""
-    if isinstance(value, list) and value and all(isinstance(p, str | list) for p in value):
-        if len(value) > MAX_N:
-            raise fail(f"at most {MAX_N} prompts per request", whole=True)
-        return [_one_prompt(p, info) for p in value]
-    return [_one_prompt(value, info)]
-
-
-def _one_prompt(prompt: Any, info: ValidationInfo) -> str | list[int]:
-    if not isinstance(prompt, str | list):
-        raise fail("prompt must be a string, a list of token ids, or a list of either", whole=True)
-    if not prompt:
-        raise fail("prompt must not be empty", "empty_prompt", whole=True)
-    if isinstance(prompt, str):
-        return prompt
-    vocab = _vocab(info)
-    for t in prompt:
-        if not isinstance(t, int) or isinstance(t, bool):
-            raise fail(f"prompt must contain only integers, got {t!r:.40}", whole=True)
-        if not 0 <= t < vocab:
-            message = f"token id {t} in prompt is outside the vocabulary [0, {vocab})"
-            raise fail(message, "invalid_token_id", whole=True)
-    return prompt
-
-
-_PROMPT_SCHEMA = Union[  # noqa: UP007
-    Text,
-    Annotated[list[Count], Field(min_length=1)],
-    Annotated[
-        list[Text | Annotated[list[Count], Field(min_length=1)]],
-        Field(min_length=1, max_length=MAX_N),
-    ],
-]
-Prompt = Annotated[Any, PlainValidator(_prompt, json_schema_input_type=_PROMPT_SCHEMA)]
 
 
 def _loads(value: Any, what: str | None = "is not valid JSON") -> Any:
@@ -176,7 +140,7 @@ JsonSchemaText = Annotated[
 ]
 
 
-def _refused(name: str) -> Any:
+def refused(name: str) -> Any:
     """A field tandem refuses unless it is left at its default."""
     spaces = name == "spaces_between_special_tokens"
     defaults: list[Any] = [True, None] if spaces else [None, "", []]
@@ -361,7 +325,7 @@ class StructuredOutputs(_Open):
     choice: GuidedChoice = None
     grammar: GuidedGrammar = None
     json_object: bool | None = flag("true: any JSON object (as response_format json_object)")
-    structural_tag: _refused("structural_tag") = None
+    structural_tag: refused("structural_tag") = None
 
 
 # ------------------------------------------------------------------ request bodies
@@ -372,7 +336,7 @@ Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
 
 
 def _bias_key(key: str, info: ValidationInfo) -> str:
-    if int(key) >= (vocab := _vocab(info)):
+    if int(key) >= (vocab := vocab_of(info)):
         raise fail(f"logit_bias token id {key} is outside the vocabulary [0, {vocab})", whole=True)
     return key
 
@@ -384,7 +348,7 @@ LogitBias = Annotated[
 Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
-def _requires(field: str, flag: str) -> dict:
+def requires(field: str, flag: str) -> dict:
     """JSON schema: `field` set (not null) only together with `flag: true`."""
     return {
         "if": {"required": [field], "properties": {field: {"not": {"type": "null"}}}},
@@ -392,11 +356,11 @@ def _requires(field: str, flag: str) -> dict:
     }
 
 
-class _Request(_Open):
+class GenerationRequest(_Open):
     """The fields both generation routes take, and the rules across them."""
 
     model: ModelName = None
-    spaces_between_special_tokens: _refused("spaces_between_special_tokens") = None
+    spaces_between_special_tokens: refused("spaces_between_special_tokens") = None
     temperature: Temperature | None = flag("0 is greedy; default from generation_config.json")
     top_p: Annotated[float, Field(gt=0, le=1)] | None = flag("nucleus sampling mass")
     n: Annotated[int, Field(ge=1, le=MAX_N)] = Field(1, description="choices per prompt")
@@ -438,7 +402,7 @@ class _Request(_Open):
     _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
-    def _across_fields(self, info: ValidationInfo) -> _Request:
+    def _across_fields(self, info: ValidationInfo) -> GenerationRequest:
         if self.stream_options is not None and not self.stream:
             message = "stream_options is only allowed when stream is true"
             raise fail(message, whole=True, param="stream_options")
@@ -473,41 +437,6 @@ class _Request(_Open):
 _GUIDED_KINDS = ("json_schema", "regex", "choice", "grammar")
 
 
-class CompletionRequest(_Request):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "allOf": [
-                _requires("stream_options", "stream"),
-                {  # max_tokens 0 only with echo: the prompt alone, nothing generated
-                    "if": {"required": ["max_tokens"], "properties": {"max_tokens": {"const": 0}}},
-                    "then": {"required": ["echo"], "properties": {"echo": {"const": True}}},
-                },
-            ]
-        }
-    )
-
-    prompt: Prompt = Field(description="a string, token ids, or a batch of either")
-    suffix: _refused("suffix") = None
-    max_tokens: Annotated[int, Field(json_schema_extra={"minimum": 0})] | None = flag(
-        "tokens to generate; 0 only with echo: true"
-    )
-    logprobs: Logprobs | None = flag("top log-probabilities per generated token")
-    echo: bool | None = flag("the prompt (and its logprobs) before the answer")
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = flag("answer the n most likely")
-
-    @model_validator(mode="after")
-    def _completion_rules(self) -> CompletionRequest:
-        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
-            message = f"'max_tokens' must be at least 1, got {self.max_tokens}"
-            raise fail(message, whole=True, param="max_tokens")
-        if self.best_of is not None and self.best_of < self.n:
-            message = f"best_of ({self.best_of}) must be >= n ({self.n})"
-            raise fail(message, whole=True, param="best_of")
-        if self.best_of is not None and self.best_of > self.n and self.stream:
-            raise fail("best_of > n cannot be streamed", whole=True, param="best_of")
-        return self
-
-
 def _non_empty(messages: list[ChatMessage]) -> list[ChatMessage]:
     if not messages:
         raise fail("must not be empty", "empty_prompt")
@@ -531,12 +460,12 @@ _WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 _BOTH = {"continue_final_message": {"const": True}, "add_generation_prompt": {"const": True}}
 
 
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(GenerationRequest):
     model_config = ConfigDict(
         json_schema_extra={
             "allOf": [
-                _requires("stream_options", "stream"),
-                _requires("top_logprobs", "logprobs"),
+                requires("stream_options", "stream"),
+                requires("top_logprobs", "logprobs"),
                 {"not": {"required": list(_BOTH), "properties": _BOTH}},
             ]
         }
@@ -557,8 +486,8 @@ class ChatCompletionRequest(_Request):
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] | None = (
         Field(None, examples=[{}, {"enable_thinking": False}])
     )
-    functions: _refused("functions") = None
-    function_call: _refused("function_call") = None
+    functions: refused("functions") = None
+    function_call: refused("function_call") = None
     # The tools as plain dicts for the template, and the choice ("auto" when tools come alone).
     _tools: list[dict] | None = PrivateAttr(None)
     _tool_choice: Any = PrivateAttr(None)

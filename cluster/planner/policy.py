@@ -45,6 +45,7 @@ from .correction import (
 )
 from .demand import DemandTracker, LengthDist, Workload, queue_share
 from .plans import Bounds, PoolPlan, fit_budget, plan_pools
+from .reasons import explain, tokens
 from .sizing import (
     Corrections,
     Targets,
@@ -199,7 +200,7 @@ class Planner:
             )
             if held[pool] and held[pool] >= desired[pool] > _workers(plans[pool], pool):
                 reasons[pool] += (
-                    f"; burst hold: {_tok(self.demand.held_peak_tokens_1s)} prompt tokens "
+                    f"; burst hold: {tokens(self.demand.held_peak_tokens_1s)} prompt tokens "
                     f"within 1 s (recent peak, decaying) need {held[pool]} workers"
                 )
         self._fit_budget(desired, causes, reasons, have, pools, up_wl, corr)
@@ -334,14 +335,14 @@ class Planner:
             wait = st.last_change_s + c.up_cooldown_s - now
             if wait > 0:
                 return have, "cooldown", f"cooldown: wants {need_up}, {wait:.0f} s to go"
-            cause, why = _explain(pool, plan, self.targets)
+            cause, why = explain(pool, plan, self.targets)
             factor = self.corrections[pool]
             if cause == "demand" and factor > LATENCY_FACTOR:
                 cause, why = "latency", f"{why} (capacity / {factor:.2f}: observed latency)"
             return need_up, cause, f"up: {have} -> {need_up}: {why}"
         if need_down >= have:
             st.down_streak = 0
-            _, why = _explain(pool, plan, self.targets)
+            _, why = explain(pool, plan, self.targets)
             if any(n == have - 1 for _, n in st.reversed):
                 why += (
                     f"; not {have - 1} again: the pool grew back from it within "
@@ -554,47 +555,5 @@ class Planner:
         return {k: float(v) for k, v in out.items() if math.isfinite(v)}
 
 
-def _explain(pool: str, plan: PoolPlan, targets: Targets) -> tuple[str, str]:
-    """(cause, a sentence with the numbers) of `pool`'s size under `plan`."""
-    if pool == PREFILL_POOL:
-        pre = plan.prefill
-        if pre.load is None or plan.local_only:
-            return "demand", f"{pre.note or 'no prompts for the prefill pool'}"
-        load = pre.load
-        text = (
-            f"{_tok(load.tokens_per_s)} prompt tok/s forecast + {_tok(load.backlog_tokens)} "
-            f"queued tokens need {pre.workers} workers at {_tok(load.mu)} tok/s each for "
-            f"TTFT p90 <= {_ms(targets.slo_ttft_s)}{_per_1k(targets)} "
-            f"(predicted {_ms(pre.ttft_p90_s)})"
-        )
-        return pre.cause, text + (f"; {pre.note}" if pre.note else "")
-    dec = plan.decode
-    load = dec.load
-    text = (
-        f"{_tok(load.tokens_per_s)} output tok/s forecast need {dec.workers} workers at "
-        f"{_tok(dec.tokens_per_s_per_worker)} tok/s each (batch {dec.batch} at "
-        f"{load.context:.0f} context tokens) for TPOT p50 <= {_ms(targets.slo_tpot_s)} "
-        f"(predicted {_ms(dec.tpot_p50_s)})"
-    )
-    if load.local_rate > 0:
-        busy = load.local_work / max(dec.workers, 1)
-        text += f", {busy:.0%} of their time prefilling {load.local_rate:.1f} prompts/s"
-    return dec.cause, text + (f"; {dec.note}" if dec.note else "")
-
-
-def _per_1k(targets: Targets) -> str:
-    return f" + {_ms(targets.ttft_per_1k_s)} per 1k tokens" if targets.ttft_per_1k_s else ""
-
-
 def _workers(plan: PoolPlan, pool: str) -> int:
     return plan.prefill.workers if pool == PREFILL_POOL else plan.decode.workers
-
-
-def _tok(n: float) -> str:
-    if n >= 1e6:
-        return f"{n / 1e6:.1f}M"
-    return f"{n / 1e3:.1f}k" if n >= 1e3 else f"{n:.0f}"
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if math.isfinite(seconds) else "inf"

@@ -288,7 +288,7 @@ def size_prefill(
     goal = targets.ttft_goal_for(load.p90_tokens)
     if floor > goal:
         by_ttft, met = math.ceil(need_tput), False
-        note = f"the p90 prompt alone takes {_ms(floor)} > the target: sized for throughput"
+        note = f"the p90 prompt alone takes {ms(floor)} > the target: sized for throughput"
     else:
         for n in range(max(lo, 1, math.ceil(need_tput)), hi + 1):
             if prefill_ttft_p90(profile, load, n, targets) <= goal:
@@ -507,7 +507,7 @@ def size_decode(
             # workers buy nothing, so carry the demand at the batches the KV cache holds.
             chosen, batch, per_worker = _decode_for_throughput(profile, load, lo, hi)
             note = (
-                f"no batch keeps TPOT <= {_ms(targets.tpot_goal)} (a {_ms(load.step_goal_s)} "
+                f"no batch keeps TPOT <= {ms(targets.tpot_goal)} (a {ms(load.step_goal_s)} "
                 f"step) at {load.context:.0f} context tokens: sized for throughput"
             )
     cause = "backlog" if by_demand is not None and chosen > by_demand else "demand"
@@ -525,5 +525,6 @@ def size_decode(
     )
 
 
-def _ms(seconds: float) -> str:
+def ms(seconds: float) -> str:
+    """Seconds as whole milliseconds for a reason's text ("inf" when overloaded)."""
     return f"{seconds * 1000:.0f} ms" if math.isfinite(seconds) else "inf"

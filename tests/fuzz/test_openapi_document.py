@@ -16,13 +16,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from jsonschema import Draft202012Validator
 
-from router import protocol, utility_routes
+from router import completion_protocol, protocol, utility_routes
 from router.errors import APIError
 from router.openapi import JSON_SCHEMA_DIALECT, OPENAPI_VERSION
 
 from .conftest import SERVED
 from .schema_gen import SchemaGen
 
+MODELS = {
+    "CompletionRequest": completion_protocol.CompletionRequest,
+    "ChatCompletionRequest": protocol.ChatCompletionRequest,
+}
 ROUTES = {
     "CompletionRequest": ("/v1/completions", "parse_completion"),
     "ChatCompletionRequest": ("/v1/chat/completions", "parse_chat"),
@@ -53,7 +57,7 @@ def test_request_schemas_are_the_models(doc):
     generation routes, refused elsewhere."""
     schemas = doc["components"]["schemas"]
     ref = "#/components/schemas/{model}"
-    for model in (protocol.CompletionRequest, protocol.ChatCompletionRequest,
+    for model in (*MODELS.values(),
                   protocol.ChatMessage, utility_routes.TokenizePrompt, utility_routes.DetokenizeRequest):  # fmt: skip
         own = model.model_json_schema(ref_template=ref)
         own.pop("$defs", None)
@@ -183,7 +187,7 @@ def test_bodies_drawn_from_the_document_parse(doc, parser, schema):
             assert e.status == 400 and e.param in checks, (e.status, e.param, e.message, body)
             outcomes[f"400 {e.param}"] += 1
             return
-        model = getattr(protocol, schema)
+        model = MODELS[schema]
         top = [f for f in parsed.ignored_fields if f in body]  # the rest are paths
         not_used = {name for name in model.NOT_USED if body.get(name) is not None}
         assert sorted(top) == sorted((set(body) - _fields(model)) | not_used)
