@@ -38,11 +38,18 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_IDS = 1 << 20  # token or block ids in one message: a 1M-token prompt fits
+# bad_words_token_ids: at most this many words of at most this many tokens each. The sampler
+# compares every word with the output's tail in Python at every step of the request, so the caps
+# bound that work (and the frame: 256k ids at most); a longer list is a job for allowed_token_ids.
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_TOKENS = 256
 
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 Penalty = Annotated[float, Meta(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 LogprobCount = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 LogitBias = tuple[TokenId, Annotated[float, Meta(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]]
+BadWord = Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
 
 
 class SamplingParams(Frame, frozen=True):
@@ -65,6 +72,12 @@ class SamplingParams(Frame, frozen=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=REPETITION_PENALTY_MAX)] = 1.0
     # (token id, bias added to its logit) pairs; a pair list, since msgpack maps need str keys.
     logit_bias: Annotated[tuple[LogitBias, ...], Meta(max_length=MAX_LOGIT_BIAS_ENTRIES)] = ()
+    # Only these tokens can be sampled (every other logit -inf); () allows all (vLLM v1).
+    allowed_token_ids: Annotated[tuple[TokenId, ...], Meta(max_length=MAX_IDS)] = ()
+    # Token-id sequences never to generate: a word's last token is masked whenever the output
+    # (not the prompt) ends with the rest of it (vLLM v1). Caps: MAX_BAD_WORDS words of
+    # 1..MAX_BAD_WORD_TOKENS tokens.
+    bad_words_token_ids: Annotated[tuple[BadWord, ...], Meta(max_length=MAX_BAD_WORDS)] = ()
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     # (kind, spec): ("json_schema", schema JSON text), ("json_object", ""), ("regex", pattern),
     # ("choice", JSON list of strings), ("grammar", Lark grammar). See engine/structured/.
@@ -90,10 +103,11 @@ class SamplingParams(Frame, frozen=True):
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_token_ids
         )
 
 
-MAX_IDS = 1 << 20  # token or block ids in one message: a 1M-token prompt fits
 Name = Annotated[str, Meta(min_length=1, max_length=256)]  # request and worker ids
 RequestId = Name
 Endpoint = Annotated[str, Meta(min_length=1, max_length=256, pattern="://")]  # a ZMQ endpoint

@@ -2,18 +2,22 @@
 top-p / min-p, per-request seeds, and log-probabilities.
 
 Order, as vLLM's: log-probabilities are taken from the model's raw logits (fp32, before any
-processing: what transformers' log-softmax gives), then the logits processors (min_tokens,
-logit_bias, penalties; below) and the grammar mask change the logits the choice is made from;
-greedy rows take the argmax of those, sampled rows divide by the temperature and filter by
-min-p, top-k and top-p. Sampled rows draw with the request's own generator when it has a seed
-(so a seeded request is reproducible whatever batch it lands in) and with the engine's generator
-otherwise. Rows that ask for none of this cost one argmax.
+processing: what transformers' log-softmax gives), then the logits processors (allowed_token_ids,
+bad words, min_tokens, logit_bias, penalties; below) and the grammar mask change the logits the
+choice is made from; greedy rows take the argmax of those, sampled rows divide by the temperature
+and filter by min-p, top-k and top-p. Sampled rows draw with the request's own generator when it
+has a seed (so a seeded request is reproducible whatever batch it lands in) and with the engine's
+generator otherwise. Rows that ask for none of this cost one argmax.
 
-Logits processors (min_tokens, logit_bias, repetition/frequency/presence penalties, min_p):
-semantics and order are vLLM v1's sampler: on the fp32 logits, min_tokens masks the stop tokens,
+Logits processors (allowed_token_ids, bad words, min_tokens, logit_bias, repetition/frequency/
+presence penalties, min_p): semantics and order are vLLM v1's sampler: on the fp32 logits,
+allowed_token_ids sets every other logit to -inf, then each bad word masks its last token where
+the output (never the prompt) ends with the rest of it, then min_tokens masks the stop tokens,
 then logit_bias adds its biases, then the penalties (repetition over prompt and output tokens,
 frequency and presence over output tokens only); temperature comes after all of these, and min_p
-after temperature (`min_p_mask`, called by the sampler on the scaled logits).
+after temperature (`min_p_mask`, called by the sampler on the scaled logits). Token ids at or past
+the logits' width are skipped by every processor: refusing them is the router's job (it knows the
+tokenizer's vocabulary), and one request's bad id must not fail the batch it shares.
 
 `apply_logits_processors` works in place and only on rows whose request asks for processing, so
 a batch where nobody does costs one pass over its SamplingParams. Every processor touches only
@@ -21,6 +25,8 @@ the logits it changes, for all processed rows at once (flat indices `row * vocab
 vLLM's whole-vocabulary penalty tensors (`where(seen, p, 1)`, `counts * f`) leave every other
 logit as it was (x / 1, x * 1, x - 0), so skipping those gives the same floats for O(tokens)
 work instead of several passes over [rows, vocab] (tens of ms on a CPU at a 128k vocabulary).
+allowed_token_ids is the exception: it changes nearly every logit of its row, so it rewrites
+that row (O(vocab), one row at a time).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ def apply_logits_processors(
     if logits.dim() != 2 or logits.shape[0] != len(seqs):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(seqs)} sequences")
     vocab = logits.shape[1]
+    _allowed_tokens(logits, seqs, [i for i in rows if seqs[i].sampling.allowed_token_ids], vocab)
+    _bad_words(logits, seqs, [i for i in rows if seqs[i].sampling.bad_words_token_ids], vocab)
     _min_tokens(logits, seqs, rows, tuple(eos_token_ids), vocab)
     _logit_bias(logits, seqs, rows, vocab)
     _repetition_penalty(logits, seqs, [i for i in rows if seqs[i].sampling.repetition_penalty != 1])
@@ -63,6 +71,42 @@ def min_p_mask(logits_row_scaled: torch.Tensor, min_p: float) -> torch.Tensor:
 
 def _has_output_penalty(seq: Sequence) -> bool:
     return bool(seq.sampling.frequency_penalty or seq.sampling.presence_penalty)
+
+
+def _allowed_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int
+) -> None:
+    """Every logit of the row but the allowed ones -inf (their values kept, as vLLM's mask)."""
+    for i in rows:
+        # A tensor filter, not per-id Python: the list may be as long as the vocabulary.
+        ids = torch.tensor(seqs[i].sampling.allowed_token_ids, dtype=torch.int64)
+        ids = ids[ids < vocab].to(logits.device)
+        kept = logits[i, ids]
+        logits[i] = float("-inf")
+        logits[i, ids] = kept
+
+
+def _bad_words(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], vocab: int) -> None:
+    """A word's last token -inf where the output ends with the rest of the word (vLLM v1).
+
+    Matched against the output only: a word spanning the prompt / output boundary is not
+    banned (vLLM's `past_tokens_ids` is the output). A one-token word is banned at every step.
+    """
+    r_idx: list[int] = []
+    t_idx: list[int] = []
+    for i in rows:
+        seq = seqs[i]
+        tokens, n_out = seq.token_ids, seq.num_output_tokens
+        for word in seq.sampling.bad_words_token_ids:
+            k = len(word) - 1  # the prefix that must end the output
+            # k <= n_out: the tail compared lies within the output (never the prompt).
+            if k > n_out or word[-1] >= vocab:
+                continue
+            if k == 0 or tuple(tokens[len(tokens) - k :]) == word[:-1]:
+                r_idx.append(i)
+                t_idx.append(word[-1])
+    if r_idx:
+        logits[_index(r_idx, logits), _index(t_idx, logits)] = float("-inf")
 
 
 def _min_tokens(

@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from engine.protocol import SamplingParams
+from engine.protocol import MAX_BAD_WORD_TOKENS, SamplingParams
 from router import generic_tools, openai_fields
 from router.completion_protocol import CompletionRequest
 from router.errors import APIError, api_error, bad_request
@@ -73,6 +73,8 @@ class ParsedRequest:
     # The stop token's text is not part of the answer (vLLM's rule): set where tandem itself
     # turned skip_special_tokens off to read a call marker that is a special token.
     hide_stop_token: bool = False
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:<id>`
+    return_token_ids: bool = False  # vLLM's: prompt and answer token ids beside the text
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -187,9 +189,8 @@ class RequestParser:
 
     def parse_completion(self, body: bytes | dict) -> ParsedRequest:
         req: CompletionRequest = validate(CompletionRequest, body, self.limits)
-        add_special = req.add_special_tokens is not False
         prompts = [
-            list(p) if isinstance(p, list) else self._tokenize(p, "prompt", add_special)
+            self._truncated(req, p if isinstance(p, list) else self._tokenize_prompt(req, p))
             for p in req.prompt
         ]
         echo_only = bool(req.echo) and req.max_tokens == 0
@@ -210,13 +211,15 @@ class RequestParser:
 
     def parse_chat(self, body: bytes | dict) -> ParsedRequest:
         req: ChatCompletionRequest = validate(ChatCompletionRequest, body, self.limits)
-        prompt_ids = self._render(req)
+        prompt_ids = self._truncated(req, self._render(req))
         names = ("max_completion_tokens", "max_tokens")
         max_tokens = self._max_tokens(req, names, len(prompt_ids), None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         parsed = self._build("chat", req, [prompt_ids], max_tokens, logprobs)
         if req.echo and req.messages[-1].role == "assistant":
             parsed.extra["echo_text"] = req.messages[-1].text()
+        if req.documents and "documents" not in str(self.tokenizer.chat_template):
+            parsed.ignored_fields.append("documents")  # this model's template never reads them
         return parsed
 
     def chat_prompt_ids(self, body: dict) -> list[int]:
@@ -271,6 +274,8 @@ class RequestParser:
             tool_format=(self.tool_format or generic_tools.FORMAT) if auto else None,
             parallel_tool_calls=getattr(req, "parallel_tool_calls", None) is not False,
             tool_grammar=auto and structured is not None and req._structured is None,
+            tokens_as_ids=bool(req.return_tokens_as_token_ids),
+            return_token_ids=bool(req.return_token_ids),
             ignored_fields=_ignored(req),
         )
 
@@ -314,7 +319,38 @@ class RequestParser:
             "presence_penalty": req.presence_penalty or 0.0,
             "frequency_penalty": req.frequency_penalty or 0.0,
             "logit_bias": tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
+            "allowed_token_ids": tuple(req.allowed_token_ids or ()),
+            "bad_words_token_ids": self._bad_words(req.bad_words or ()),
         }
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad words as token ids: each word as the tokenizer splits it alone, and after
+        a space (the word mid-text) where that gives another first token and as many tokens."""
+        out: list[tuple[int, ...]] = []
+        for i, word in enumerate(words):
+            bare, spaced = (
+                tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                for text in (word.lstrip(), " " + word.lstrip())
+            )
+            if len(bare) > MAX_BAD_WORD_TOKENS:
+                message = f"bad_words[{i}] is {len(bare)} tokens, over {MAX_BAD_WORD_TOKENS}"
+                raise bad_request(message, "bad_words")
+            out += [bare] if bare else []
+            if spaced and bare and spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return tuple(dict.fromkeys(out))
+
+    def _tokenize_prompt(self, req: Any, text: str) -> list[int]:
+        # Truncated, a text of any length is served: no shortcut refuses it untokenized.
+        long_ok = req.truncate_prompt_tokens is not None
+        return self._tokenize(text, "prompt", req.add_special_tokens is not False, long_ok)
+
+    def _truncated(self, req: Any, ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the window's worth)."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return list(ids)
+        return list(ids[-(self.max_model_len if keep == -1 else keep) :])
 
     def _max_tokens(
         self, req: Any, names: tuple[str, ...], prompt_len: int, default_cap: int | None
@@ -346,8 +382,10 @@ class RequestParser:
 
     # ------------------------------------------------------------------ prompts
 
-    def _tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
-        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+    def _tokenize(
+        self, text: str, param: str, add_special_tokens: bool, long_ok: bool = False
+    ) -> list[int]:
+        if not long_ok and self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens, and "
                 f"the {param} ({len(text)} characters) is far longer than that.",
@@ -384,12 +422,14 @@ class RequestParser:
                 tokenize=False,
                 add_generation_prompt=gen,
                 continue_final_message=cont,
+                **({"documents": req.documents} if req.documents else {}),
                 **(req.chat_template_kwargs or {}),
             )
         except Exception as e:  # jinja raises its own errors (e.g. roles must alternate)
             raise bad_request(f"chat template failed: {e}", "messages") from e
         # The template already wrote BOS and the turn markers.
-        return self._tokenize(text, "messages", add_special_tokens=bool(req.add_special_tokens))
+        long_ok = req.truncate_prompt_tokens is not None
+        return self._tokenize(text, "messages", bool(req.add_special_tokens), long_ok)
 
 
 def _single_token(tokenizer: Any, text: str) -> tuple[int | None, bool]:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from engine.protocol import MAX_BAD_WORD_TOKENS
 from router.completion_protocol import CompletionRequest
 from router.protocol import ChatCompletionRequest, Count
 from router.responses_protocol import ResponsesRequest
@@ -71,6 +72,9 @@ class Completion(BaseModel):
     choices: list[Choice]
     usage: Usage
     tandem: dict[str, str] = Field(None, description="where the request ran")
+    prompt_token_ids: list[Count] | None = Field(
+        None, description="chat with vLLM's return_token_ids (completions: on each choice)"
+    )
 
 
 class ResponseObject(BaseModel, extra="allow"):
@@ -163,6 +167,9 @@ _SHARED_CHECKS = {
     "min_tokens": "at most max_model_len",
     "stop_token_ids": "token ids below the vocabulary size",
     "logit_bias": "token ids below the vocabulary size",
+    "allowed_token_ids": "token ids below the vocabulary size",
+    "bad_words": f"each word at most {MAX_BAD_WORD_TOKENS} tokens",
+    "truncate_prompt_tokens": "-1, or 1 to max_model_len",
     **dict.fromkeys(("response_format", "structured_outputs", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar"), _STRUCTURED_RULE),
 }  # fmt: skip

@@ -43,6 +43,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.protocol import (
     LOGIT_BIAS_RANGE,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_N,
@@ -140,10 +141,15 @@ JsonSchemaText = Annotated[
 ]
 
 
+_DEFAULTS: dict[str, list[Any]] = {
+    "spaces_between_special_tokens": [True, None],
+    "priority": [0, None],
+}
+
+
 def refused(name: str) -> Any:
     """A field tandem refuses unless it is left at its default."""
-    spaces = name == "spaces_between_special_tokens"
-    defaults: list[Any] = [True, None] if spaces else [None, "", []]
+    defaults = _DEFAULTS.get(name, [None, "", []])
 
     def check(value: Any) -> Any:
         if not any(value == d and type(value) is type(d) for d in defaults):
@@ -330,6 +336,15 @@ class StructuredOutputs(_Open):
 
 # ------------------------------------------------------------------ request bodies
 
+
+def _bad_word(word: str) -> str:
+    if not word.strip():  # vLLM tokenizes the word without its leading spaces
+        raise fail("must hold a character other than white space")
+    return word
+
+
+MAX_BAD_WORD_TEXTS = MAX_BAD_WORDS // 2  # each text may become two token sequences
+BadWord = Annotated[str, AfterValidator(_bad_word), Field(min_length=1)]
 Temperature = Annotated[float, Field(ge=0, le=TEMPERATURE_MAX, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)]
 Bias = Annotated[float, Field(ge=LOGIT_BIAS_RANGE[0], le=LOGIT_BIAS_RANGE[1])]
@@ -398,6 +413,18 @@ class GenerationRequest(_Open):
         None, examples=[{"choice": ["yes", "no"]}, {"regex": "[0-9]{2}"}]
     )
     prompt_logprobs: Logprobs | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = flag(
+        "vLLM: only these tokens may be generated"
+    )
+    bad_words: Annotated[list[BadWord], Field(max_length=MAX_BAD_WORD_TEXTS)] | None = flag(
+        "vLLM: words never generated (as the answer's own tokens, with and without a space)"
+    )
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = flag(
+        "vLLM: only the prompt's last k tokens are used; -1: as many as the context holds"
+    )
+    return_tokens_as_token_ids: bool | None = flag("vLLM: logprobs name tokens `token_id:<id>`")
+    return_token_ids: bool | None = flag("vLLM: the prompt's and each answer's token ids too")
+    priority: refused("priority") = None
     # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.
     _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
 
@@ -410,6 +437,11 @@ class GenerationRequest(_Open):
         if limits is not None and (self.min_tokens or 0) > limits.max_model_len:
             message = f"'min_tokens' must be an integer in [0, {limits.max_model_len}]"
             raise fail(message, whole=True, param="min_tokens")
+        keep = self.truncate_prompt_tokens
+        if keep == 0 or (limits is not None and (keep or 0) > limits.max_model_len):
+            window = f", at most the context window ({limits.max_model_len})" if limits else ""
+            message = f"'truncate_prompt_tokens' must be -1 or at least 1{window}, got {keep}"
+            raise fail(message, whole=True, param="truncate_prompt_tokens")
         specs = self._structured_specs()
         if len(specs) > 1:
             names = [p for p, _ in specs]
@@ -486,6 +518,7 @@ class ChatCompletionRequest(GenerationRequest):
     chat_template_kwargs: Annotated[dict[str, Any], AfterValidator(_template_kwargs)] | None = (
         Field(None, examples=[{}, {"enable_thinking": False}])
     )
+    documents: list[dict[str, str]] | None = flag("vLLM: passed to the chat template (RAG)")
     functions: refused("functions") = None
     function_call: refused("function_call") = None
     # The tools as plain dicts for the template, and the choice ("auto" when tools come alone).

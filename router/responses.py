@@ -100,8 +100,12 @@ def chunk(
     index: int = 0,
     logprobs: dict | None = None,
     tool_calls: list | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """One streamed piece of choice `index`; `first` (chat) announces the assistant role."""
+    """One streamed piece of choice `index`; `first` (chat) announces the assistant role.
+    `token_ids` / `prompt_token_ids` (vLLM's return_token_ids): the piece's tokens; the prompt's
+    on a chat role chunk, or on a completions choice's first chunk."""
     if parsed.kind == "chat":
         delta: dict[str, Any] = {}
         if first:
@@ -123,6 +127,10 @@ def chunk(
             "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
+        if prompt_token_ids is not None:
+            choice["prompt_token_ids"] = prompt_token_ids
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     out: dict[str, Any] = {
         "id": rid,
         "object": _chunk_object(parsed),
@@ -130,6 +138,8 @@ def chunk(
         "model": parsed.model,
         "choices": [choice],
     }
+    if parsed.kind == "chat" and prompt_token_ids is not None:
+        out["prompt_token_ids"] = prompt_token_ids
     if parsed.include_usage:
         out["usage"] = None  # OpenAI sends the key on every chunk once usage is asked for
     return out
@@ -209,13 +219,18 @@ class ChoiceResult:
 
 
 class TokenText:
-    """Per-token strings for logprobs (cached: the same ids recur in every top list)."""
+    """Per-token strings for logprobs (cached: the same ids recur in every top list);
+    `as_ids` (vLLM's return_tokens_as_token_ids): `token_id:<id>`, for tokens that are not
+    text on their own (a byte of a character)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         text = self._cache.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -26,7 +26,7 @@ class RequestRun:
     def __init__(self, ctx: GenerationContext, parsed: ParsedRequest, rid: str, arrival: float):
         self.parsed = parsed
         self.rid = rid
-        self.text_of = TokenText(ctx.tokenizer)
+        self.text_of = TokenText(ctx.tokenizer, parsed.tokens_as_ids)
         self.tokenizer = ctx.tokenizer
         many = len(parsed.prompts) > 1
         self.generations = [
@@ -91,18 +91,19 @@ class RequestRun:
                 logprobs = responses.chat_logprobs(self.text_of, r.token_ids, r.entries)
             # A call cut by the length limit is returned, with finish_reason "length".
             finish = "tool_calls" if called and r.finish_reason != "length" else r.finish_reason
-            return {
-                "index": r.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        return {
+            body = {"index": r.index, "message": message, "logprobs": logprobs}
+            body["finish_reason"] = finish
+            return body | ({"token_ids": r.token_ids} if parsed.return_token_ids else {})
+        body = {
             "index": r.index,
             "text": self._completion_text(r, prompt_ids),
             "logprobs": self._completion_logprobs(r, prompt_ids),
             "finish_reason": "length" if parsed.echo_only else r.finish_reason,
         }
+        if parsed.return_token_ids:  # vLLM's: the answer's tokens, not the echoed prompt's
+            body["prompt_token_ids"] = prompt_ids
+            body["token_ids"] = [] if parsed.echo_only else r.token_ids
+        return body
 
     def _completion_text(self, r: ChoiceResult, prompt_ids: list[int]) -> str:
         parsed = self.parsed
@@ -126,9 +127,12 @@ class RequestRun:
         results = await self.results()
         n = self.parsed.n
         choices = [self.choice_body(r, self.parsed.prompts[r.index // n]) for r in results]
-        return responses.completion_body(
+        body = responses.completion_body(
             self.parsed, self.rid, created, choices, self.usage(), self.placement
         )
+        if self.parsed.return_token_ids and self.parsed.kind == "chat":
+            body["prompt_token_ids"] = self.parsed.prompt_ids
+        return body
 
     # ------------------------------------------------------------------ streams
 
@@ -211,6 +215,7 @@ class StreamWriter:
             or parsed.logprobs is not None
             or (parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"))
             or parsed.continuous_usage
+            or parsed.return_token_ids
         )
         self.generated: dict[int, int] = {}  # choice index -> tokens so far (continuous usage)
         self.text_events = responses.TextEvents(parsed, run.rid, created)
@@ -224,9 +229,19 @@ class StreamWriter:
         if parsed.kind != "chat":
             return []
         total = len(parsed.prompts) * parsed.n
+        ids = parsed.prompt_ids if parsed.return_token_ids else None
         return [
             self._usage_of(
-                responses.chunk(parsed, self.run.rid, self.created, "", None, first=True, index=i),
+                responses.chunk(
+                    parsed,
+                    self.run.rid,
+                    self.created,
+                    "",
+                    None,
+                    first=True,
+                    index=i,
+                    prompt_token_ids=ids,
+                ),
                 i,
             )
             for i in range(total)
@@ -259,6 +274,7 @@ class StreamWriter:
         index = p * parsed.n + piece.choice
         if not parsed.echo_only:
             self.generated[index] = self.generated.get(index, 0) + piece.num_tokens
+        first = index not in self.started
         text, logprobs = self._text_and_logprobs(p, index, piece)
         tool_calls = None
         if parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"):
@@ -268,23 +284,25 @@ class StreamWriter:
             self.called.add(index)
         if index in self.called and finish == "stop":
             finish = "tool_calls"
-        if not text and finish is None and not tool_calls and not logprobs:
-            return []
-        return [
-            self._usage_of(
-                responses.chunk(
-                    parsed,
-                    self.run.rid,
-                    self.created,
-                    text,
-                    finish,
-                    index=index,
-                    logprobs=logprobs,
-                    tool_calls=tool_calls,
-                ),
-                index,
-            )
-        ]
+        ids = ([] if parsed.echo_only else piece.token_ids) if parsed.return_token_ids else None
+        if not text and finish is None and not tool_calls and not logprobs and not ids:
+            return []  # (a token held back, say by a stop string, still shows its id)
+        prompt_ids = None
+        if parsed.return_token_ids and parsed.kind != "chat" and first:
+            prompt_ids = parsed.prompts[p]  # chat: on the role chunk
+        chunk = responses.chunk(
+            parsed,
+            self.run.rid,
+            self.created,
+            text,
+            finish,
+            index=index,
+            logprobs=logprobs,
+            tool_calls=tool_calls,
+            token_ids=ids,
+            prompt_token_ids=prompt_ids,
+        )
+        return [self._usage_of(chunk, index)]
 
     def _text_and_logprobs(self, p: int, index: int, piece: Piece) -> tuple[str, dict | None]:
         run, parsed = self.run, self.run.parsed

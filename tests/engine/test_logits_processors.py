@@ -1,7 +1,9 @@
 """Logits processors: each one and their combinations against plain-Python references (rows that
 ask for nothing stay bit-identical), then through `LLM` against transformers' own logits with
 the processing applied by hand (greedy token for token; min_p's sampled tokens all inside the
-min_p set of the reference distribution)."""
+min_p set of the reference distribution; allowed_token_ids also against transformers' own
+`prefix_allowed_tokens_fn`; a bad word across the prefill / decode hand-off). The fields' wire
+round trip and bounds are in test_wire.py."""
 
 from __future__ import annotations
 
@@ -35,6 +37,15 @@ def reference(
     """The processing spelled out token by token (vLLM's semantics and order)."""
     x = list(row)
     vocab = len(x)
+    if sp.allowed_token_ids:
+        allowed = {t for t in sp.allowed_token_ids if t < vocab}
+        x = [v if t in allowed else -INF for t, v in enumerate(x)]
+    for word in sp.bad_words_token_ids:
+        if len(word) > len(out) + 1 or word[-1] >= vocab:
+            continue
+        prefix = list(word[:-1])
+        if not prefix or out[-len(prefix) :] == prefix:
+            x[word[-1]] = -INF
     if len(out) < sp.min_tokens:
         stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos))
         for t in stops:
@@ -96,6 +107,10 @@ def _check(logits: torch.Tensor, seqs: list[Sequence], device: str) -> None:
         {"min_tokens": 10},
         {"min_tokens": 10, "stop_token_ids": (9, 11)},
         {"min_tokens": 10, "stop_token_ids": (9,), "ignore_eos": True},
+        {"allowed_token_ids": (3, 5, 7, 19, 40)},
+        {"allowed_token_ids": (4, 4, VOCAB - 1, VOCAB, VOCAB + 7)},
+        # Two-token words drawn from the tokens' range, so some prefixes match the output tail.
+        {"bad_words_token_ids": ((4,), (5, 6), (7, 8, 9), *((t, 12) for t in range(3, 20)))},
     ],
     ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items())[:40],
 )
@@ -116,9 +131,21 @@ def test_combinations_and_untouched_rows(device):
         {"logit_bias": ((4, -3.0),), "frequency_penalty": 1.1, "stop_token_ids": (8,)},
         {"min_tokens": 2, "presence_penalty": -1.0, "ignore_eos": True},
         {},
+        # allowed ids with logit_bias (on an allowed and a disallowed id) and the penalties
+        {
+            "allowed_token_ids": tuple(range(2, 20, 2)),
+            "logit_bias": ((4, 3.0), (5, 100.0)),
+            "repetition_penalty": 1.5,
+            "frequency_penalty": 0.7,
+            "presence_penalty": 0.4,
+            "min_tokens": 5,
+        },
+        {"bad_words_token_ids": tuple((t, u) for t in range(3, 20) for u in (6, 7))},
+        {"bad_words_token_ids": ((9,),), "allowed_token_ids": (9, 10, 11), "logit_bias": ((9, 5),)},
+        {"stop_token_ids": (3,), "n": 2},  # stop tokens alone: no processing
     ]
     seqs = [_seq(_random_tokens(rng, 7), _random_tokens(rng, 3), **c) for c in combos]
-    want = [False, True, False, True, True, True, False]
+    want = [False, True, False, True, True, True, False, True, True, True, False]
     assert [s.sampling.needs_processing for s in seqs] == want
     _check(_random_logits(len(seqs), seed=5), seqs, device)
 
@@ -153,6 +180,69 @@ def test_logit_bias_ignores_ids_past_vocab_and_last_repeat_wins():
     want = torch.zeros(VOCAB)
     want[4] = 2.5
     assert torch.equal(logits[0], want)
+
+
+def test_bad_words_match_the_output_tail_only():
+    prompt, out = [30, 31, 9], [10, 11, 12]
+    words = {
+        (12, 20): True,  # prefix (12,) is the output's tail
+        (11, 12, 25): True,  # a two-token prefix that is the tail
+        (10, 11, 12, 22): True,  # as long as the output + 1: the whole output is the prefix
+        (24,): True,  # one token: banned at every step
+        (11, 21): False,  # 11 is in the output, but not at its end
+        (10, 12, 26): False,
+        (9, 10, 11, 12, 23): False,  # longer than output + 1 (the prompt's 9 never counts)
+        (12, VOCAB): False,  # past the logits: skipped, no error
+        (VOCAB + 3,): False,
+    }
+    seq = _seq(prompt, out, bad_words_token_ids=tuple(words))
+    fresh = _seq(prompt, [], bad_words_token_ids=((24,), (9, 27), (10, 28)))
+    logits = torch.zeros(2, VOCAB)
+    apply_logits_processors(logits, [seq, fresh], EOS)
+    masked = {w[-1] for w, banned in words.items() if banned}
+    assert set(torch.isinf(logits[0]).nonzero().flatten().tolist()) == masked
+    # No output yet: only the one-token word (the prompt's 9 is no prefix for (9, 27)).
+    assert torch.isinf(logits[1]).nonzero().flatten().tolist() == [24]
+
+
+def test_allowed_token_ids_keep_their_logits_and_mask_the_rest():
+    logits = _random_logits(3, seed=12)
+    before = logits.clone()
+    seqs = [
+        _seq([3], [4], allowed_token_ids=(7, 3, 7, VOCAB, VOCAB + 100)),
+        _seq([3], [4]),
+        # Only ids past the logits: every logit -inf (refusing such a list is the router's job).
+        _seq([3], [4], allowed_token_ids=(VOCAB,)),
+    ]
+    apply_logits_processors(logits, seqs, EOS)
+    kept = ~torch.isinf(logits[0])
+    assert kept.nonzero().flatten().tolist() == [3, 7]
+    assert torch.equal(logits[0, kept], before[0, kept])  # exactly, not recomputed
+    assert torch.equal(logits[1], before[1])
+    assert bool(torch.isinf(logits[2]).all()) and bool((logits[2] < 0).all())
+
+
+def test_a_bias_does_not_lift_a_disallowed_or_bad_token():
+    # allowed_token_ids and bad words come first: a +100 bias on a masked token stays -inf.
+    logits = torch.zeros(2, VOCAB)
+    seqs = [
+        _seq([3], [], allowed_token_ids=(4, 5), logit_bias=((6, 100.0), (4, 1.0))),
+        _seq([3], [8], bad_words_token_ids=((8, 6),), logit_bias=((6, 100.0),)),
+    ]
+    apply_logits_processors(logits, seqs, EOS)
+    assert logits[0, 6] == -INF and logits[0, 4] == 1.0 and logits[0, 5] == 0.0
+    assert logits[1, 6] == -INF
+
+
+def test_allowed_ids_on_non_contiguous_logits():
+    wide = _random_logits(2, vocab=VOCAB + 16, seed=13)
+    logits = wide[:, :VOCAB]
+    before = wide.clone()
+    seqs = [_seq([3], [4], allowed_token_ids=(1, 2, 30)), _seq([3], [4], repetition_penalty=1.5)]
+    apply_logits_processors(logits, seqs, EOS)
+    assert torch.equal(wide[:, VOCAB:], before[:, VOCAB:])
+    assert torch.isinf(logits[0]).sum() == VOCAB - 3
+    assert torch.equal(logits[0, [1, 2, 30]], before[0, [1, 2, 30]])
 
 
 def test_penalties_keep_masked_tokens_masked_without_nan():
@@ -368,3 +458,100 @@ def test_min_p_samples_only_inside_the_min_p_set(tiny):
         _min_p_violations(path, p, o.token_ids, sp, eos, w.min_p)
         for p, sp, w, o in zip(prompts, without, with_min_p, free, strict=True)
     )
+
+
+def _allowed_ids(eos) -> tuple[int, ...]:
+    # No eos among them: transformers' generate would stop at one, the engine (ignore_eos) not.
+    g = torch.Generator().manual_seed(1)
+    return tuple(sorted(set(torch.randint(3, 1000, (40,), generator=g).tolist()) - set(eos)))
+
+
+def _hf_generate_allowed(path, prompt: list[int], allowed, max_new: int, eos) -> list[int]:
+    """transformers' own constrained greedy decoding (PrefixConstrainedLogitsProcessor)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = _hf_model(str(path)).generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            prefix_allowed_tokens_fn=lambda batch, sent: list(allowed),
+            pad_token_id=eos[0],
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_allowed_token_ids_greedy_matches_hf(tiny):
+    path, llm, eos = tiny
+    prompts = _prompts()
+    allowed = _allowed_ids(eos)
+    sp = SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, allowed_token_ids=allowed
+    )
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts + prompts, [sp] * len(prompts) + [plain] * len(prompts))
+    processed, untouched = outs[: len(prompts)], outs[len(prompts) :]
+    for p, o in zip(prompts, processed, strict=True):
+        assert set(o.token_ids) <= set(allowed)
+        assert o.token_ids == hf_processed_greedy(path, p, sp, eos), f"{len(p)}-token prompt"
+        assert o.token_ids == _hf_generate_allowed(path, p, allowed, MAX_TOKENS, eos)
+    for p, o in zip(prompts, untouched, strict=True):
+        assert o.token_ids == hf_processed_greedy(path, p, plain, eos)
+    assert all(a.token_ids != b.token_ids for a, b in zip(processed, untouched, strict=True))
+
+
+def test_bad_words_greedy_matches_hf(tiny):
+    path, llm, eos = tiny
+    prompts = _prompts()
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    base = [o.token_ids for o in llm.generate(prompts, plain)]
+    jobs = []  # (prompt, its plain output, the bad word): words taken from the plain output
+    for p, b in zip(prompts, base, strict=True):
+        jobs += [
+            (p, b, (b[3],)),  # a token it emits at step 3: banned from the first step on
+            (p, b, (b[6], b[7])),  # the pair at steps 6-7: step 7 at the latest must change
+            (p, b, (b[4], b[5], b[6])),
+            # Across the prompt / output boundary: not banned (output tokens only).
+            (p, b, (p[-1], b[0])),
+        ]
+    sps = [replace(plain, bad_words_token_ids=(word,)) for _, _, word in jobs]
+    outs = llm.generate([p for p, _, _ in jobs], sps)
+    for (p, b, word), sp, o in zip(jobs, sps, outs, strict=True):
+        assert o.token_ids == hf_processed_greedy(path, p, sp, eos), word
+        if word == (p[-1], b[0]):
+            assert o.token_ids[0] == b[0]
+            continue
+        assert o.token_ids != b
+        k = len(word)
+        assert all(tuple(o.token_ids[j : j + k]) != word for j in range(len(o.token_ids)))
+
+
+def test_bad_word_across_the_kv_hand_off(tiny):
+    """Split prefill / decode: the decode worker's output starts with the prefill worker's first
+    token, so a word (first token, second token) is banned at the decode worker's first step."""
+    from kv_copy import CopyConnector
+
+    from engine.llm_engine import EngineConfig, LLMEngine
+
+    path, llm, eos = tiny
+    prompt = _prompts()[1]
+    plain = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (base,) = [o.token_ids for o in llm.generate([prompt], plain)]
+    sp = replace(plain, bad_words_token_ids=((base[0], base[1]),))
+    kw = dict(model=str(path), dtype="float32", num_kv_blocks=32)
+    pe = LLMEngine(EngineConfig(**kw, role="prefill"))
+    de = LLMEngine(EngineConfig(**kw, role="decode"))
+    CopyConnector(pe, de)
+    out: list[int] = []
+    pe.add_request("r", prompt, sp)
+    for _ in range(100):  # bounded: a hang would be a failure, not a stuck suite
+        out += [t for o in pe.step() for t in o.token_ids] if pe.has_unfinished() else []
+    assert out == [base[0]]  # the prefill worker's first token
+    de.add_remote_request("r", prompt, out[0], sp)
+    for _ in range(100):
+        out += [t for o in de.step() for t in o.token_ids] if de.has_unfinished() else []
+    assert not de.has_unfinished()
+    assert (
+        out == llm.generate([prompt], sp)[0].token_ids == hf_processed_greedy(path, prompt, sp, eos)
+    )
+    assert out[1] != base[1]

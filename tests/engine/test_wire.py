@@ -23,7 +23,15 @@ _EP = "tcp://127.0.0.1:9"
 def _every_message() -> list:
     msgs = templates() + [Shutdown(reason="bye")]
     kv_ready = next(m for m in msgs if isinstance(m, KVReady))
-    sp = SamplingParams(n=3, logprobs=2, stop_token_ids=[7], logit_bias=[[3, -1.5]], seed=2**63)
+    sp = SamplingParams(
+        n=3,
+        logprobs=2,
+        stop_token_ids=[7],
+        logit_bias=[[3, -1.5]],
+        seed=2**63,
+        allowed_token_ids=[3, 7, 9],
+        bad_words_token_ids=[[7], [3, 9]],
+    )  # the KV hand-off (KVReady) carries it to the decode worker
     entry = (-0.25, 1, [[5, -0.25], [9, -2.0]])
     return msgs + [
         TokenMessage("r", 0, [5], "stop", 1, [entry], [None, entry], 4, worker_id="w"),
@@ -182,3 +190,39 @@ def test_trusted_construction_skips_the_field_check_but_not_check():
     assert decode(frame).token_ids == [1]
     with pytest.raises(ValueError):
         TokenMessage("", 0, [1], None)
+
+
+def test_allowed_and_bad_words_cross_the_wire():
+    sp = SamplingParams(allowed_token_ids=[5, 9, 2**31 - 1], bad_words_token_ids=[[7], [8, 9, 10]])
+    assert sp.allowed_token_ids == (5, 9, 2**31 - 1)
+    assert sp.bad_words_token_ids == ((7,), (8, 9, 10))
+    for msg in (
+        PrefillRequest("p", [1, 2, 3], sp, _EP, "decode-0", _EP),
+        GenerateRequest("g", [1, 2, 3], sp, _EP),
+    ):
+        back = decode(encode(msg), expect=type(msg))
+        assert back == msg and back.sampling.needs_processing
+        assert back.sampling.bad_words_token_ids == ((7,), (8, 9, 10))
+        assert back.sampling.allowed_token_ids == (5, 9, 2**31 - 1)
+    # At the caps: 1024 words of 256 tokens.
+    full = SamplingParams(bad_words_token_ids=(tuple(range(256)),) * 1024)
+    assert decode(encode(GenerateRequest("g", [1], full, _EP))).sampling == full
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allowed_token_ids", (3, -1)),
+        ("allowed_token_ids", (2**31,)),
+        ("bad_words_token_ids", ((),)),  # an empty word
+        ("bad_words_token_ids", ((4,), (5, -2))),
+        ("bad_words_token_ids", (tuple(range(257)),)),  # a word over 256 tokens
+        ("bad_words_token_ids", ((4,),) * 1025),  # over 1024 words
+    ],
+)
+def test_allowed_and_bad_words_out_of_range_are_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+    # The same values from a peer: a WireError at the field.
+    with pytest.raises(WireError, match=rf"\$.sampling.{field}"):
+        decode(_frame("prefill", _body(_prefill()) | {"sampling": {field: value}}))

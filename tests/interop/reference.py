@@ -2,9 +2,9 @@
 
 `Reference` wraps `AutoModelForCausalLM` + the model dir's tokenizer: log-softmax over the
 vocabulary at every position, continuation log-likelihoods (what lm-eval sums), and a greedy
-decoder that applies vLLM's logits processors itself (min_tokens, logit_bias, repetition
-penalty over prompt and output, frequency/presence penalties over the output; in that order,
-on the fp32 logits), so a served greedy answer can be compared token for token. Log-probs it
+decoder that applies vLLM's logits processors itself (allowed_token_ids, bad words over the
+output, min_tokens, logit_bias, repetition penalty over prompt and output, frequency/presence
+penalties over the output; in that order, on the fp32 logits), so a served greedy answer can be compared token for token. Log-probs it
 reports are always the raw model's (before any processing), as tandem and vLLM report them.
 """
 
@@ -44,9 +44,19 @@ class Processing:
     bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     eos: tuple[int, ...] = ()
+    allowed: tuple[int, ...] = ()  # allowed_token_ids
+    bad_words: tuple[tuple[int, ...], ...] = ()  # as token ids
 
     def apply(self, logits: torch.Tensor, prompt: list[int], output: list[int]) -> torch.Tensor:
         x = logits.clone()
+        if self.allowed:
+            keep = torch.full_like(x, float("-inf"))
+            keep[list(self.allowed)] = x[list(self.allowed)]
+            x = keep
+        for word in self.bad_words:  # the last token, once the output ends with the rest
+            *head, last = word
+            if not head or output[len(output) - len(head) :] == head:
+                x[last] = float("-inf")
         if len(output) < self.min_tokens:
             x[list(self.eos)] = float("-inf")
         for token, b in self.bias.items():

@@ -118,6 +118,16 @@ CASES = [
     (CH, j({"messages": USER, "response_format": {"type": "xml"}}), 400, "xml", None),
     (CH, j({"messages": [{"role": "user", "content": "x", "audio": 1}]}), 400, "audio", None),
     (CH, j({"messages": USER, "guided_regex": "a", "guided_choice": ["b"]}), 400, "one", None),
+    (C, j({"prompt": "hi", "allowed_token_ids": []}), 400, "at least 1", "allowed_token_ids"),
+    (C, j({"prompt": "hi", "allowed_token_ids": [3, VOCAB]}), 400, "vocab", "allowed_token_ids"),
+    (C, j({"prompt": "hi", "bad_words": [" \t"]}), 400, "white space", "bad_words"),
+    (C, j({"prompt": "hi", "bad_words": ["x y " * 300]}), 400, "over 256", "bad_words"),
+    (C, j({"prompt": "hi", "bad_words": ["ok"] * 513}), 400, "512", "bad_words"),
+    (C, j({"prompt": "hi", "truncate_prompt_tokens": 0}), 400, "-1 or", "truncate_prompt_tokens"),
+    (CH, j({"messages": USER, "truncate_prompt_tokens": CTX + 1}), 400, "window", None),
+    (C, j({"prompt": "hi", "priority": 1}), 400, "first served", "priority"),
+    (CH, j({"messages": USER, "priority": -1}), 400, "first served", "priority"),
+    (CH, j({"messages": USER, "documents": [{"text": 1}]}), 400, "string", "documents"),
     (C, b"x" * (64 * 1024 + 1), 413, "limit", None),
 ]
 
