@@ -38,6 +38,7 @@ REFUSED = {
     "function_call": "the legacy 'function_call' field is not supported; use 'tool_choice'",
     "spaces_between_special_tokens": "only the default (true) is supported",
     "structural_tag": "structural tags are not supported; use a grammar",
+    "use_beam_search": "beam search is not supported; use n or best_of",
     "priority": "only 0: requests are served first come, first served (vLLM without "
     "--scheduling-policy priority refuses other values too)",
 }

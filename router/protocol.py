@@ -144,6 +144,7 @@ JsonSchemaText = Annotated[
 _DEFAULTS: dict[str, list[Any]] = {
     "spaces_between_special_tokens": [True, None],
     "priority": [0, None],
+    "use_beam_search": [False, None],
 }
 
 
@@ -425,6 +426,7 @@ class GenerationRequest(_Open):
     return_tokens_as_token_ids: bool | None = flag("vLLM: logprobs name tokens `token_id:<id>`")
     return_token_ids: bool | None = flag("vLLM: the prompt's and each answer's token ids too")
     priority: refused("priority") = None
+    use_beam_search: refused("use_beam_search") = None
     # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.
     _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
 

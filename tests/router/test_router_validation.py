@@ -127,6 +127,7 @@ CASES = [
     (CH, j({"messages": USER, "truncate_prompt_tokens": CTX + 1}), 400, "window", None),
     (C, j({"prompt": "hi", "priority": 1}), 400, "first served", "priority"),
     (CH, j({"messages": USER, "priority": -1}), 400, "first served", "priority"),
+    (CH, j({"messages": USER, "use_beam_search": True}), 400, "beam", "use_beam_search"),
     (CH, j({"messages": USER, "documents": [{"text": 1}]}), 400, "string", "documents"),
     (C, b"x" * (64 * 1024 + 1), 413, "limit", None),
 ]
