@@ -16,8 +16,12 @@ Lifecycle of a block: FREE (in the LRU free queue, maybe still holding a cached 
 IN USE (ref_count >= 1, owned by one or more sequences) -> FREE again on the last release.
 A block gets a hash only once every one of its slots holds computed KV (`commit`), and the
 hash chains the previous block's hash with this block's token ids, so equal hashes mean equal
-prefixes. A free block keeps its hash until it is reused for other tokens, so a later request
-with the same prefix can take it back (a prefix-cache hit) without recomputation.
+prefixes. A free block keeps its hash until it is reused for other tokens, so a later
+request with the same prefix can take it back (a prefix-cache hit) without recomputation.
+
+A request's `cache_salt` seeds its chain (engine/block_hash.py): every method that hashes a
+request's tokens takes its `salt`, so a salted prompt matches only blocks cached under the same
+salt, never another tenant's or the unsalted ones.
 """
 
 from __future__ import annotations
@@ -245,20 +249,25 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix lookup -------------------------------------------------------------------
-    def _prefix_hashes(self, token_ids: list[int], max_blocks: int) -> list[tuple[int, tuple]]:
+    def _prefix_hashes(
+        self, token_ids: list[int], max_blocks: int, salt: str | None = None
+    ) -> list[tuple[int, tuple]]:
         bs = self.block_size
-        hashes = prefix_block_hashes(token_ids, bs, max_blocks)
+        hashes = prefix_block_hashes(token_ids, bs, max_blocks, salt)
         return [(h, tuple(token_ids[b * bs : (b + 1) * bs])) for b, h in enumerate(hashes)]
 
-    def _lookup(self, token_ids: list[int], max_blocks: int | None = None) -> list[int]:
-        """Block ids of the longest cached prefix. By default the last prompt token is never
-        served from cache: its logits are needed, so at least one token is always computed."""
+    def _lookup(
+        self, token_ids: list[int], max_blocks: int | None = None, salt: str | None = None
+    ) -> list[int]:
+        """Block ids of the longest cached prefix of a request salted `salt`. By default the
+        last prompt token is never served from cache: its logits are needed, so at least one
+        token is always computed."""
         if not self.enable_prefix_caching:
             return []
         if max_blocks is None:
             max_blocks = lookup_blocks(len(token_ids), self.block_size)
         hits = []
-        for h, chunk in self._prefix_hashes(token_ids, max_blocks):
+        for h, chunk in self._prefix_hashes(token_ids, max_blocks, salt):
             bid = self._cached.get(h)
             if bid is None or self.blocks[bid].token_ids != chunk:
                 break
@@ -269,39 +278,46 @@ class BlockManager:
         """Every block hash the prefix cache holds now (a listener's resync)."""
         return list(self._cached)
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], salt: str | None = None) -> int:
         """How many leading tokens of `token_ids` the prefix cache holds (whole blocks)."""
-        return len(self._lookup(token_ids)) * self.block_size
+        return len(self._lookup(token_ids, salt=salt)) * self.block_size
 
-    def can_allocate(self, num_tokens: int, token_ids: list[int] | None = None) -> bool:
-        hits = self._lookup(token_ids) if token_ids is not None else []
+    def can_allocate(
+        self, num_tokens: int, token_ids: list[int] | None = None, salt: str | None = None
+    ) -> bool:
+        hits = self._lookup(token_ids, salt=salt) if token_ids is not None else []
         # A hit on a free block takes it out of the free queue, so it costs a free block too.
         reused_in_use = sum(1 for b in hits if self.blocks[b].ref_count > 0)
         return self.blocks_needed(num_tokens) - reused_in_use <= self.num_free_blocks
 
     # -- blocks lent to a peer or filled from one (kv_transfer/prefix_pull.py) -----------
-    def num_cached_blocks(self, token_ids: list[int]) -> int:
+    def num_cached_blocks(self, token_ids: list[int], salt: str | None = None) -> int:
         """Leading whole blocks of `token_ids` the prefix cache holds (the last one too)."""
-        return len(self._lookup(token_ids, len(token_ids) // self.block_size))
+        return len(self._lookup(token_ids, len(token_ids) // self.block_size, salt))
 
-    def pin_prefix(self, token_ids: list[int], first: int = 0) -> list[int]:
+    def pin_prefix(
+        self, token_ids: list[int], first: int = 0, salt: str | None = None
+    ) -> list[int]:
         """A reference on each cached block from block `first` of the longest cached prefix
         of `token_ids` (every whole block counts, the last one too): they cannot be evicted
         while a peer reads them or a request is about to use them. `free` gives them back."""
-        hits = self._lookup(token_ids, len(token_ids) // self.block_size)[first:]
+        hits = self._lookup(token_ids, len(token_ids) // self.block_size, salt)[first:]
         for bid in hits:
             self._take(bid)
         return hits
 
-    def adopt(self, block_ids: list[int], token_ids: list[int], first: int) -> int:
+    def adopt(
+        self, block_ids: list[int], token_ids: list[int], first: int, salt: str | None = None
+    ) -> int:
         """Blocks a peer's READ just filled (taken with `allocate_blocks`; the caller keeps
         its reference) become prefix-cache blocks `first`.. of `token_ids`, as if computed
         here. A hash the cache already holds keeps its block (this copy stays uncached and
-        is reused first once freed). Returns how many were cached."""
+        is reused first once freed). `salt`: the request's that the READ served, so the blocks
+        are found only by its salt's lookups. Returns how many were cached."""
         if not self.enable_prefix_caching:
             return 0
         bs = self.block_size
-        hashes = prefix_block_hashes(token_ids, bs, first + len(block_ids))
+        hashes = prefix_block_hashes(token_ids, bs, first + len(block_ids), salt)
         cached = 0
         for b, bid in enumerate(block_ids, start=first):
             block, h = self.blocks[bid], hashes[b]
@@ -337,18 +353,23 @@ class BlockManager:
         block.ref_count += 1
 
     def allocate(
-        self, token_ids: list[int], use_cache: bool = True, count: bool = True
+        self,
+        token_ids: list[int],
+        use_cache: bool = True,
+        count: bool = True,
+        salt: str | None = None,
     ) -> tuple[list[int], int]:
         """Blocks for `token_ids`: cached prefix blocks first, fresh ones after. `use_cache`
         False takes no cached block (a request that needs every prompt position computed).
         `count` False leaves the hit counters alone (they measure compute saved; a decode
-        worker reusing blocks for a peer's prompt saves a transfer, not compute).
+        worker reusing blocks for a peer's prompt saves a transfer, not compute). `salt`: the
+        request's cache salt (only its own salt's blocks are hits).
 
         Returns (block_table, num_cached_tokens). Raises MemoryError if they do not fit.
         """
-        if not self.can_allocate(len(token_ids), token_ids if use_cache else None):
+        if not self.can_allocate(len(token_ids), token_ids if use_cache else None, salt):
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
-        hits = self._lookup(token_ids) if use_cache else []
+        hits = self._lookup(token_ids, salt=salt) if use_cache else []
         for bid in hits:
             self._take(bid)
         table = hits + [
@@ -410,10 +431,16 @@ class BlockManager:
         block_table.clear()
 
     def commit(
-        self, block_table: list[int], token_ids: list[int], num_computed: int, start: int = 0
+        self,
+        block_table: list[int],
+        token_ids: list[int],
+        num_computed: int,
+        start: int = 0,
+        salt: str | None = None,
     ) -> int:
         """Register the hashes of blocks whose KV is now fully computed, from block `start`
-        on; returns the number of committed blocks (the caller's next `start`)."""
+        on; returns the number of committed blocks (the caller's next `start`). `salt` seeds
+        the chain's first block; later blocks chain from their predecessor's (salted) hash."""
         full = num_computed // self.block_size
         if not self.enable_prefix_caching:
             return full
@@ -422,7 +449,7 @@ class BlockManager:
             block = self.blocks[block_table[i]]
             if block.hash is None:
                 chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-                block.hash = hash_block(prev, chunk)
+                block.hash = hash_block(prev, chunk, salt)
                 block.token_ids = chunk
                 if self._cached.setdefault(block.hash, block.block_id) == block.block_id:
                     if self.event_sink is not None:

@@ -8,6 +8,10 @@ that still holds a cached prefix, before anything can write the block. The block
 pool is an LRU by hash with a fixed number of slots (`capacity_bytes // bytes per block`); a
 hash already in it is only refreshed (equal hashes mean equal KV).
 
+Salts: the pool keeps the device's hashes, which are salted by the request's `cache_salt`
+(engine/block_hash.py), and a lookup here chains under the asking request's salt, so a demoted
+block comes back only to requests of the salt it was computed for.
+
 Promotion (`allocate`): after the device prefix match the chain goes on in the host pool; the
 host hits are reserved (an eviction this same allocation causes cannot reuse their slots), the
 device allocation runs, and each hit is copied into the fresh block at its position. Those
@@ -151,16 +155,20 @@ class HostKVCache:
 
     # -- admission -----------------------------------------------------------------------
     def _match(
-        self, token_ids: list[int], device_blocks: int, limit: int | None = None
+        self,
+        token_ids: list[int],
+        device_blocks: int,
+        limit: int | None = None,
+        salt: str | None = None,
     ) -> list[int]:
-        """Host slots of the chain's blocks after the first `device_blocks` (device hits), up
-        to block `limit`; by default the last prompt token is never served from cache, as on
-        the device."""
+        """Host slots of the chain's blocks (salted `salt`) after the first `device_blocks`
+        (device hits), up to block `limit`; by default the last prompt token is never served
+        from cache, as on the device."""
         bs, slots, prev = self.bm.block_size, [], None
         limit = (len(token_ids) - 1) // bs if limit is None else limit
         for i in range(limit):
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            prev = hash_block(prev, chunk)
+            prev = hash_block(prev, chunk, salt)
             if i < device_blocks:
                 continue
             slot = self._lru.get(prev)
@@ -174,17 +182,22 @@ class HostKVCache:
         return slots
 
     def allocate(
-        self, token_ids: list[int], use_cache: bool = True, count: bool = True
+        self,
+        token_ids: list[int],
+        use_cache: bool = True,
+        count: bool = True,
+        salt: str | None = None,
     ) -> tuple[list[int], int, int]:
         """`BlockManager.allocate` continued into the pool: (block table, cached tokens on
-        either tier, cached tokens of the device alone — the blocks already committed)."""
+        either tier, cached tokens of the device alone — the blocks already committed). Both
+        tiers match under the request's cache `salt`."""
         if not use_cache or not self.bm.enable_prefix_caching:
-            table, cached = self.bm.allocate(token_ids, use_cache, count)
+            table, cached = self.bm.allocate(token_ids, use_cache, count, salt)
             return table, cached, cached
-        device_blocks = self.bm.cached_prefix_tokens(token_ids) // self.bm.block_size
-        slots = self._match(token_ids, device_blocks)
+        device_blocks = self.bm.cached_prefix_tokens(token_ids, salt) // self.bm.block_size
+        slots = self._match(token_ids, device_blocks, salt=salt)
         try:
-            table, cached = self.bm.allocate(token_ids, use_cache, count)
+            table, cached = self.bm.allocate(token_ids, use_cache, count, salt)
         finally:
             self._reserved.clear()
         fresh = table[device_blocks : device_blocks + len(slots)]
@@ -197,14 +210,17 @@ class HostKVCache:
             self.hit_tokens += hit
         return table, cached + hit, cached
 
-    def promote_for_peer(self, token_ids: list[int], device_blocks: int) -> list[int]:
+    def promote_for_peer(
+        self, token_ids: list[int], device_blocks: int, salt: str | None = None
+    ) -> list[int]:
         """The host pool as the source of a transfer (kv_transfer/prefix_pull.py): copy the
         chain's whole blocks after the first `device_blocks` from host memory into fresh device
         blocks now, register them in the device prefix cache and return them, referenced for
         the caller (who frees them), so a peer's NIXL READ can be served from them. Waits for
-        the copies: a READ does not follow the compute stream."""
+        the copies: a READ does not follow the compute stream. `salt`: the reader's request's,
+        for the match and the blocks' registration alike."""
         bs = self.bm.block_size
-        slots = self._match(token_ids, device_blocks, len(token_ids) // bs)
+        slots = self._match(token_ids, device_blocks, len(token_ids) // bs, salt)
         try:
             slots = slots[: self.bm.num_free_blocks]
             blocks = self.bm.allocate_blocks(len(slots))
@@ -214,7 +230,7 @@ class HostKVCache:
         self.synchronize()
         self.promotions += len(slots)
         self.bytes_promoted += len(slots) * self.block_bytes
-        self.bm.adopt(blocks, token_ids, device_blocks)
+        self.bm.adopt(blocks, token_ids, device_blocks, salt)
         return blocks
 
     def stats(self) -> dict:

@@ -365,8 +365,10 @@ class LLMEngine:
         KV). Returns the final outputs of choices the first token already finished."""
         seq = self._remote_seq(request_id)
         seq.num_computed_tokens = seq.num_prompt_tokens
+        # Under the request's salt (KVReady carried its SamplingParams): the peer's blocks join
+        # this worker's prefix cache for later requests of the same salt only.
         seq.num_committed_blocks = self.block_manager.commit(
-            seq.block_table, seq.token_ids, seq.num_computed_tokens
+            seq.block_table, seq.token_ids, seq.num_computed_tokens, salt=seq.sampling.cache_salt
         )
         self.scheduler.add_running(seq)
         group = [seq, *seq.forks]
@@ -470,7 +472,11 @@ class LLMEngine:
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
             seq.num_committed_blocks = self.block_manager.commit(
-                seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.num_committed_blocks
+                seq.block_table,
+                seq.token_ids,
+                seq.num_computed_tokens,
+                seq.num_committed_blocks,
+                salt=seq.sampling.cache_salt,
             )
         now = time.perf_counter()
         outputs: list[TokenOutput] = []

@@ -44,6 +44,7 @@ MAX_IDS = 1 << 20  # token or block ids in one message: a 1M-token prompt fits
 # bound that work (and the frame: 256k ids at most); a longer list is a job for allowed_token_ids.
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 256
+MAX_CACHE_SALT = 1024  # characters; vLLM suggests 43 (256 random bits in base64)
 
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]
 Penalty = Annotated[float, Meta(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
@@ -82,6 +83,11 @@ class SamplingParams(Frame, frozen=True):
     # (kind, spec): ("json_schema", schema JSON text), ("json_object", ""), ("regex", pattern),
     # ("choice", JSON list of strings), ("grammar", Lark grammar). See engine/structured/.
     structured: tuple[Literal[STRUCTURED_KINDS], str] | None = None
+    # vLLM's cache_salt: the request's prefix-cache blocks hash apart from other salts'
+    # (engine/block_hash.py). Not a sampling setting, but it must reach every engine that hashes
+    # this request's blocks (prefill, decode after the hand-off, a prefix pull), and this is the
+    # per-request record every one of those frames carries.
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
     def check(self) -> None:
         if self.top_k == 0:

@@ -10,7 +10,8 @@ sequence is preempted (its blocks freed, to be recomputed later) until it can. W
 sequences are admitted afterwards, in arrival order, with whatever budget is left; one whose
 prompt shares a block that a running sequence is computing now (not yet in the prefix cache)
 waits a step, keeping its place, so the shared prefix is computed once (SGLang's in-batch
-prefix caching).
+prefix caching). Every prefix match here, in-flight or cached, hashes a prompt under its
+request's `cache_salt`, so only prompts of the same salt share blocks.
 
 One admission policy for one block pool: a request whose prompt KV comes from a prefill peer
 (`Sequence.kv_from_peer`) waits in the same queue and is admitted by the same rules (a free
@@ -179,12 +180,14 @@ class Scheduler:
         self.remote_reuse = True  # --no-decode-kv-reuse: a remote prompt's blocks all READ
         self.num_prefix_waits = 0  # admissions put off a step for a prefix being computed
 
-    def _allocate(self, token_ids: list[int], use_cache: bool = True, count: bool = True):
-        """(block table, cached tokens, of which on the device): the prefix match goes on in
-        the host tier when there is one (its hits are copied back before the next step)."""
+    def _allocate(self, seq: Sequence, token_ids: list[int], use_cache: bool, count: bool = True):
+        """(block table, cached tokens, of which on the device) for `seq`'s `token_ids`, matched
+        under its cache salt: the prefix match goes on in the host tier when there is one (its
+        hits are copied back before the next step)."""
+        salt = seq.sampling.cache_salt
         if self.host is not None:
-            return self.host.allocate(token_ids, use_cache, count)
-        table, cached = self.bm.allocate(token_ids, use_cache, count)
+            return self.host.allocate(token_ids, use_cache, count, salt)
+        table, cached = self.bm.allocate(token_ids, use_cache, count, salt)
         return table, cached, cached
 
     def add(self, seq: Sequence) -> None:
@@ -304,11 +307,13 @@ class Scheduler:
 
     # -- in-batch prefix sharing (SGLang's): one computation of a prefix several prompts share
     def _prompt_hashes(self, seq: Sequence) -> list[int]:
-        """The prompt's full-block hashes (computed once per sequence)."""
+        """The prompt's full-block hashes (computed once per sequence), salted like the cache's:
+        a prompt waits only for a block it could hit, never another salt's."""
         if seq.prompt_hashes is None:
             bs = self.bm.block_size
             prompt = seq.prompt_token_ids
-            seq.prompt_hashes = prefix_block_hashes(prompt, bs, len(prompt) // bs)
+            salt = seq.sampling.cache_salt
+            seq.prompt_hashes = prefix_block_hashes(prompt, bs, len(prompt) // bs, salt)
         return seq.prompt_hashes
 
     def _in_flight_blocks(self) -> set[int]:
@@ -334,14 +339,14 @@ class Scheduler:
         """Admit a sequence whose prompt KV comes from a peer; False when it does not fit."""
         prompt = seq.token_ids[: seq.num_prompt_tokens]
         lookup = prompt if self.remote_reuse else None  # the same rule as _allocate
-        if not self.bm.can_allocate(seq.num_prompt_tokens, lookup):
+        if not self.bm.can_allocate(seq.num_prompt_tokens, lookup, seq.sampling.cache_salt):
             return False
         self.waiting.popleft()
         # Leading blocks this worker already caches are taken by reference (or copied back
         # from its host tier); the connector reads only the rest from the peer (decode-side
         # KV reuse).
         seq.block_table, seq.num_reused_tokens, _ = self._allocate(
-            prompt, self.remote_reuse, count=False
+            seq, prompt, self.remote_reuse, count=False
         )
         seq.status = SeqStatus.REMOTE_KV
         self.fetching[seq.request_id] = seq
@@ -351,15 +356,18 @@ class Scheduler:
     def _admit_local(self, seq: Sequence, plan: StepPlan, budget: int) -> int | None:
         """Admit a sequence to compute here; the budget left, or None when it does not fit."""
         lookup = seq.token_ids if seq.sampling.prompt_logprobs is None else None
-        if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, lookup):
+        salt = seq.sampling.cache_salt
+        if budget <= 0 or not self.bm.can_allocate(seq.num_tokens, lookup, salt):
             return None
         if not self.chunked:
-            if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids) > budget:
+            if seq.num_tokens - self.bm.cached_prefix_tokens(seq.token_ids, salt) > budget:
                 return None
         self.waiting.popleft()
         # Prompt log-probabilities need every position computed: no cached prefix.
         use_cache = seq.sampling.prompt_logprobs is None
-        seq.block_table, seq.num_cached_tokens, on_device = self._allocate(seq.token_ids, use_cache)
+        seq.block_table, seq.num_cached_tokens, on_device = self._allocate(
+            seq, seq.token_ids, use_cache
+        )
         seq.num_computed_tokens = seq.num_cached_tokens
         # Promoted blocks are committed after this step, like the blocks it computes.
         seq.num_committed_blocks = on_device // self.bm.block_size

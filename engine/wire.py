@@ -40,8 +40,13 @@ class WireError(ValueError):
     """A frame that cannot be accepted: too large, not msgpack, unknown type, bad fields."""
 
 
-class Frame(msgspec.Struct, forbid_unknown_fields=True):
-    """Base of every wire message and of the Structs nested in them (SamplingParams)."""
+class Frame(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """Base of every wire message and of the Structs nested in them (SamplingParams).
+
+    Fields left at their defaults are not sent (`omit_defaults`): a field added with a default
+    (a new request setting) leaves the frames that do not use it readable by a peer that
+    predates it, so a rolling upgrade keeps serving; a frame that uses it is refused there as
+    an unknown field, by name."""
 
     def __post_init__(self) -> None:
         if getattr(_decoding, "on", False):

@@ -58,6 +58,7 @@ from msgspec import Meta
 from msgspec.structs import asdict
 
 from engine.protocol import (
+    MAX_CACHE_SALT,
     MAX_IDS,
     MAX_N,
     Count,
@@ -169,13 +170,16 @@ class PrefixPull(Frame):
     """Prefill worker -> a worker whose prefix cache holds leading blocks of a prompt it is
     about to compute: hold your cached blocks from block `first_block` of `prompt_token_ids`
     (whole blocks only) for agent `reader` to READ; answer with a `PrefixOffer` at
-    `reply_to`."""
+    `reply_to`. `cache_salt`: the reader's request's (engine/block_hash.py); the holder pins
+    only blocks cached under it, so a pull never serves one tenant another's prefix."""
 
     pull_id: RequestId
     prompt_token_ids: PromptIds
     first_block: Count
     reader: Name
     reply_to: Endpoint
+    # Last and optional: a frame from a peer that predates salts decodes as unsalted.
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
 
 
 @message("kvx.prefix_offer")

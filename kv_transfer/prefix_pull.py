@@ -11,13 +11,19 @@ decode worker of a split pool) names it (`prefix_from`), and the reader pulls:
 
     reader (`PrefixPuller`)                           holder (`PrefixLender`, either pool)
     pin its own cached prefix (blocks 0..k-1)
-    PrefixPull{pull_id, prompt, first_block k} ---->  pin its cached blocks k.. of the prompt,
-                                                      hold them for the reader (a lease)
+    PrefixPull{pull_id, prompt, first_block k, ---->  pin its cached blocks k.. of the prompt
+               cache_salt}                            (under that salt), hold them for the
+                                                      reader (a lease)
                      <---------------------------- PrefixOffer{blocks, lease, its metadata}
     connect once per pair, allocate, NIXL READ
                       <== READ ==                     Released (read done) -> unpin
     ReadDone -> the blocks join its prefix cache (`BlockManager.adopt`), the request enters
     the engine, whose prefix lookup now finds them: only the rest is computed
+
+Salts: both sides hash the prompt under the request's `cache_salt` (engine/block_hash.py): the
+reader pins its own prefix and adopts the blocks it read under it, and the holder, told it in
+the `PrefixPull`, pins only blocks cached under the same salt. A pull never moves one salt's
+KV to another's request.
 
 Both sides' blocks stay pinned until nothing can touch them: the holder's until its lease
 ends (`Released`), the reader's (its own prefix and the adopted blocks) until the request's
@@ -77,7 +83,7 @@ class PrefixLender:
         self.num_refused = 0
 
     def handle(self, host: ConnectorHost, msg: PrefixPull) -> None:
-        blocks = self._pin(host.engine, msg.prompt_token_ids, msg.first_block)
+        blocks = self._pin(host.engine, msg.prompt_token_ids, msg.first_block, msg.cache_salt)
         bm = host.engine.block_manager
         error = "" if blocks else "this worker's prefix cache no longer holds those blocks"
         deadline = 0.0
@@ -98,15 +104,16 @@ class PrefixLender:
         )
 
     @staticmethod
-    def _pin(engine, prompt: list[int], first: int) -> list[int]:
-        """The cached blocks from block `first` on: the device's, then (with a host tier) the
-        host pool's that continue the chain, copied back to the device to be read."""
+    def _pin(engine, prompt: list[int], first: int, salt: str | None) -> list[int]:
+        """The cached blocks (under the reader's `salt`) from block `first` on: the device's,
+        then (with a host tier) the host pool's that continue the chain, copied back to the
+        device to be read."""
         bm = engine.block_manager
-        blocks = bm.pin_prefix(prompt, first)
+        blocks = bm.pin_prefix(prompt, first, salt)
         host = getattr(engine, "host_cache", None)
         on_device = first + len(blocks)
-        if host is not None and on_device == bm.num_cached_blocks(prompt):
-            blocks += host.promote_for_peer(prompt, on_device)
+        if host is not None and on_device == bm.num_cached_blocks(prompt, salt):
+            blocks += host.promote_for_peer(prompt, on_device, salt)
         return blocks
 
     def on_event(self, host: ConnectorHost, ev: TransferEvent) -> bool:
@@ -155,9 +162,9 @@ class PrefixPuller:
         bm = engine.block_manager
         if getattr(engine, "tp", None) is not None or not bm.enable_prefix_caching:
             return False
-        prompt, bs = req.prompt_token_ids, bm.block_size
+        prompt, bs, salt = req.prompt_token_ids, bm.block_size, req.sampling.cache_salt
         want = min(src.tokens, len(prompt) - 1) // bs  # never the last token: its logits
-        own = bm.pin_prefix(prompt[: want * bs])
+        own = bm.pin_prefix(prompt[: want * bs], salt=salt)
         if want - len(own) < 1 or bm.num_free_blocks < want - len(own) + bm.blocks_needed(
             len(prompt) - want * bs + 1
         ):
@@ -169,6 +176,7 @@ class PrefixPuller:
             len(own),
             self.agent.name,
             host.endpoint,
+            salt,
         )
         host.send(src.endpoint, pull)
         self.pulls[req.request_id] = _Pull(req, own, time.monotonic() + self.offer_timeout_s)
@@ -229,7 +237,8 @@ class PrefixPuller:
             pull.blocks = []
             self._done(host, rid, f"the READ failed: {ev.reason}")
             return True
-        bm.adopt(pull.blocks, pull.request.prompt_token_ids, len(pull.own))
+        req = pull.request
+        bm.adopt(pull.blocks, req.prompt_token_ids, len(pull.own), req.sampling.cache_salt)
         self.num_pulled_blocks += len(pull.blocks)
         self._done(host, rid, "")
         return True

@@ -226,7 +226,7 @@ class Generation:
     async def _route(self) -> RoutePlan:
         ctx = self.ctx
         try:
-            plan = await ctx.pool.route(self.parsed.prompt_ids)
+            plan = await ctx.pool.route(self.parsed.prompt_ids, self.parsed.sampling.cache_salt)
         except NoWorkersError as e:
             raise APIError(503, f"{e}; try again later", code="no_workers") from e
         ctx.metrics.disagg.labels(path=plan.path).inc()

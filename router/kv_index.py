@@ -225,15 +225,18 @@ class KVIndex:
 
 
 class PromptHashes:
-    """A prompt's block hashes per block size, computed once per route (workers may differ)."""
+    """A prompt's block hashes per block size, computed once per route (workers may differ);
+    salted with the request's cache_salt, as the workers hash its blocks."""
 
-    def __init__(self, prompt_ids: list[int]) -> None:
+    def __init__(self, prompt_ids: list[int], salt: str | None = None) -> None:
         self.prompt_ids = prompt_ids
+        self.salt = salt
         self._by_size: dict[int, list[int]] = {}
 
     def get(self, block_size: int) -> list[int]:
         hashes = self._by_size.get(block_size)
         if hashes is None:
             n = lookup_blocks(len(self.prompt_ids), block_size)
-            hashes = self._by_size[block_size] = prefix_block_hashes(self.prompt_ids, block_size, n)
+            hashes = prefix_block_hashes(self.prompt_ids, block_size, n, self.salt)
+            self._by_size[block_size] = hashes
         return hashes

@@ -321,6 +321,7 @@ class RequestParser:
             "logit_bias": tuple((int(k), float(v)) for k, v in (req.logit_bias or {}).items()),
             "allowed_token_ids": tuple(req.allowed_token_ids or ()),
             "bad_words_token_ids": self._bad_words(req.bad_words or ()),
+            "cache_salt": req.cache_salt,
         }
 
     def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:

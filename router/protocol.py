@@ -44,6 +44,7 @@ from pydantic_core import PydanticCustomError
 from engine.protocol import (
     LOGIT_BIAS_RANGE,
     MAX_BAD_WORDS,
+    MAX_CACHE_SALT,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_N,
@@ -425,6 +426,9 @@ class GenerationRequest(_Open):
     )
     return_tokens_as_token_ids: bool | None = flag("vLLM: logprobs name tokens `token_id:<id>`")
     return_token_ids: bool | None = flag("vLLM: the prompt's and each answer's token ids too")
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = flag(
+        "vLLM: the prompt's cached blocks are shared only with requests of the same salt"
+    )
     priority: refused("priority") = None
     use_beam_search: refused("use_beam_search") = None
     # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.

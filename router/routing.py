@@ -502,10 +502,10 @@ class WorkerPool:
             return f"worker {wid} was restarted and lost the request"
         return None
 
-    async def route(self, prompt_ids: list[int]) -> RoutePlan:
+    async def route(self, prompt_ids: list[int], salt: str | None = None) -> RoutePlan:
         """Pick the workers for one prompt and count it against them in the view.
         Raises NoWorkersError when no decode-capable worker is known, even after a refresh."""
-        hashes = PromptHashes(prompt_ids)  # per block size, computed once for this route
+        hashes = PromptHashes(prompt_ids, salt)  # per block size, once for this route
         try:
             plan = self._plan(prompt_ids, hashes)
         except NoWorkersError:

@@ -226,3 +226,19 @@ def test_allowed_and_bad_words_out_of_range_are_refused(field, value):
     # The same values from a peer: a WireError at the field.
     with pytest.raises(WireError, match=rf"\$.sampling.{field}"):
         decode(_frame("prefill", _body(_prefill()) | {"sampling": {field: value}}))
+
+
+def test_fields_left_at_their_defaults_are_not_sent_so_an_older_peer_reads_the_frame():
+    """A rolling upgrade: a peer whose SamplingParams predates a field (here: only two fields)
+    reads frames that leave the new fields at their defaults, and refuses by name one that
+    sets them."""
+
+    class OlderSampling(wire.Frame, frozen=True):
+        max_tokens: int = 16
+        temperature: float = 1.0
+
+    plain = msgspec.msgpack.encode(SamplingParams(max_tokens=5, temperature=0.5))
+    assert msgspec.msgpack.decode(plain, type=OlderSampling) == OlderSampling(5, 0.5)
+    salted = msgspec.msgpack.encode(SamplingParams(max_tokens=5, cache_salt="tenant"))
+    with pytest.raises(msgspec.ValidationError, match="cache_salt"):
+        msgspec.msgpack.decode(salted, type=OlderSampling)

@@ -110,6 +110,7 @@ def templates() -> list:
             first_block=0,
             reader="fuzz-peer",
             reply_to=_NOWHERE,
+            cache_salt="fuzz-salt",
         ),  # fmt: skip
         PrefixOffer(pull_id="fz-po/prefix", sender=agent, block_ids=[1], lease_deadline=1e9),
     ]

@@ -2,7 +2,8 @@
 `allowed_token_ids` and `bad_words` (greedy answers token for token against transformers with
 vLLM's rules applied by hand, and different from the plain answer, so the field did something),
 `truncate_prompt_tokens`, `return_token_ids` (whole and streamed: every token's id, the held
-back ones too), `return_tokens_as_token_ids`, `priority` (only 0: a 400 otherwise, as vLLM
+back ones too), `return_tokens_as_token_ids`, `cache_salt` (a cached prefix is shared only
+within its salt), `priority` (only 0: a 400 otherwise, as vLLM
 without priority scheduling) and `documents` (named back: this model's template never reads
 them). Against the package's live `tandem serve`, prompts on both paths (local, remote)."""
 
@@ -211,3 +212,22 @@ def test_documents_are_named_when_the_template_never_reads_them(client, model_na
         extra_body={"documents": [{"title": "t", "text": "Paris is sunny."}]},
     )  # fmt: skip
     assert unquote(raw.headers["X-Tandem-Ignored-Fields"]).split(",") == ["documents"]
+
+
+@pytest.mark.parametrize("length", [20, 60], ids=["local", "remote"])
+def test_cache_salt_keeps_cached_prefixes_apart(client, model_name, length):
+    """vLLM's cache_salt: a prompt cached under one salt is a prefix-cache hit for that salt
+    only (not for another salt, not unsalted), on the worker that prefills either path."""
+    prompt = [(7919 * (i + length) + 13) % 1000 + 3 for i in range(length)]  # seen nowhere else
+
+    def cached(salt: str | None) -> int:
+        answer = client.completions.create(
+            model=model_name, prompt=prompt, max_tokens=2,
+            extra_body={"cache_salt": salt} if salt else {},
+        )  # fmt: skip
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= 16  # its whole blocks, from the cache
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-b") >= 16 and cached(None) >= 16

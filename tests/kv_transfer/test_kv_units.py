@@ -27,6 +27,7 @@ from kv_transfer.messages import (
     AgentMetadata,
     HelloReply,
     KVReady,
+    PrefixPull,
     RenewReply,
 )
 from kv_transfer.nixl import (
@@ -154,6 +155,19 @@ def test_kv_ready_rejects_bad_fields(bad):
     outer["d"].update(bad)
     with pytest.raises(WireError):
         decode_frame(msgpack.packb(outer), MAX_KVREADY_BYTES)
+
+
+def test_prefix_pull_carries_the_cache_salt_and_a_frame_without_one_is_unsalted():
+    import msgpack
+
+    pull = PrefixPull("r/prefix", [1, 2, 3], 0, "reader", "tcp://127.0.0.1:9", cache_salt="t1")
+    assert decode_frame(encode(pull), expect=PrefixPull).cache_salt == "t1"
+    outer = msgpack.unpackb(encode(pull))
+    del outer["d"]["cache_salt"]  # a peer that predates salts
+    assert decode_frame(msgpack.packb(outer), expect=PrefixPull).cache_salt is None
+    outer["d"]["cache_salt"] = ""
+    with pytest.raises(WireError):
+        decode_frame(msgpack.packb(outer))
 
 
 def test_oversized_and_wrong_type_frames_are_refused():

@@ -16,7 +16,7 @@ from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot
 from engine.protocol import WorkerLoad
 from engine.wire import decode, encode
 from router.directory import WorkerInfo
-from router.kv_index import KVIndex
+from router.kv_index import KVIndex, PromptHashes
 from router.routing import LOCAL, REMOTE, LoadView, plan_route_kv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -280,3 +280,22 @@ def test_blocks_of_a_routed_prompt_count_as_held_until_events_or_the_ttl():
     assert index.hit_tokens("w0", hashes, BS) == (4, 4.0)
     index.expect("nobody", hashes)  # a worker not synced is not guessed at
     assert index.hit_tokens("nobody", hashes, BS) == (0, 0.0)
+
+
+def test_a_salted_prompt_is_routed_by_its_salted_hashes():
+    """cache_salt: the router hashes a salted prompt as the workers do (the salt seeds the
+    chain), so a worker holding the prompt under another salt, or unsalted, holds none of it."""
+    prompt = list(range(40))
+    salted = prefix_block_hashes(prompt, BS, 9, salt="tenant-a")
+    assert set(salted).isdisjoint(prefix_block_hashes(prompt, BS, 9))
+    assert set(salted).isdisjoint(prefix_block_hashes(prompt, BS, 9, salt="tenant-b"))
+    index = KVIndex()
+    synced(index, salted, wid="d1")
+    view = LoadView([worker(w, "decode") for w in ("d0", "d1")] + [worker("p0", "prefill")])
+    hits = {
+        salt: plan_route_kv(
+            view, prompt, index, disagg_threshold=8, hashes=PromptHashes(prompt, salt)
+        ).decode_hit_tokens
+        for salt in ("tenant-a", "tenant-b", None)
+    }
+    assert hits == {"tenant-a": 36, "tenant-b": 0, None: 0}

@@ -128,6 +128,9 @@ CASES = [
     (C, j({"prompt": "hi", "priority": 1}), 400, "first served", "priority"),
     (CH, j({"messages": USER, "priority": -1}), 400, "first served", "priority"),
     (CH, j({"messages": USER, "use_beam_search": True}), 400, "beam", "use_beam_search"),
+    (C, j({"prompt": "hi", "cache_salt": ""}), 400, "empty", "cache_salt"),
+    (C, j({"prompt": "hi", "cache_salt": "s" * 1025}), 400, "at most 1024", "cache_salt"),
+    (CH, j({"messages": USER, "cache_salt": 5}), 400, "string", "cache_salt"),
     (CH, j({"messages": USER, "documents": [{"text": 1}]}), 400, "string", "documents"),
     (C, b"x" * (64 * 1024 + 1), 413, "limit", None),
 ]

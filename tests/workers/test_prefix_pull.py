@@ -38,18 +38,22 @@ def expected(model, turns):
     return LLM(model, dtype="float32").generate([turns[1]], SP)[0].token_ids
 
 
-def _prefill_from(pair, rid, prompt, src_endpoint, tokens):
+def _salted(salt: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, cache_salt=salt)
+
+
+def _prefill_from(pair, rid, prompt, src_endpoint, tokens, sp=SP):
     src = PrefixSource(pair.d.worker_id, src_endpoint, tokens)
     msg = PrefillRequest(
-        rid, prompt, SP, pair.reply_to, pair.d.worker_id, pair.d.endpoint, prefix_from=src
+        rid, prompt, sp, pair.reply_to, pair.d.worker_id, pair.d.endpoint, prefix_from=src
     )
     pair.push[pair.p.endpoint].send(encode(msg))
 
 
-def _only_on_the_prefill_worker(pair, prompt) -> None:
+def _only_on_the_prefill_worker(pair, prompt, salt: str | None = None) -> None:
     """Prefill `prompt` on the prefill worker, finished by its first token: never handed off,
     so only the prefill worker's cache holds it."""
-    one = SamplingParams(max_tokens=1, temperature=0)
+    one = SamplingParams(max_tokens=1, temperature=0, cache_salt=salt)
     msg = PrefillRequest("turn1", prompt, one, pair.reply_to, pair.d.worker_id, pair.d.endpoint)
     pair.push[pair.p.endpoint].send(encode(msg))
     pair.collect(["turn1"])
@@ -167,21 +171,23 @@ def test_a_local_prefill_on_the_decode_worker_reads_what_the_prefill_worker_hold
         pair.close()
 
 
-def test_the_holder_lends_blocks_its_host_tier_holds(model, turns, expected):
+@pytest.mark.parametrize("salt", [None, "a"])
+def test_the_holder_lends_blocks_its_host_tier_holds(model, turns, expected, salt):
     """The decode worker's device cache evicted the tail of turn 1 into its host tier: it
-    copies those blocks back and lends them with the device ones (the host pool as a source)."""
+    copies those blocks back and lends them with the device ones (the host pool as a source).
+    A salted request's chain is followed under its salt on both tiers."""
     first, second = turns
     pair = Pair(model, decode_blocks=16, decode_kw={"kv_host_cache_gb": 0.01})
     try:
-        pair.generate_on_decode("turn1", first, SP)
+        pair.generate_on_decode("turn1", first, _salted(salt))
         pair.collect(["turn1"])
         pair.generate_on_decode("filler", list(range(500, 700)), SP)  # 13 blocks: evicts some
         pair.collect(["filler"])
         host = pair.d.engine.host_cache
-        on_device = pair.d.engine.block_manager.num_cached_blocks(first)  # the loop is idle
+        on_device = pair.d.engine.block_manager.num_cached_blocks(first, salt)  # loop is idle
         assert 0 < on_device < 5 and host.demotions >= 5 - on_device
         promoted = host.promotions
-        _prefill_from(pair, "turn2", second, pair.d.endpoint, len(first))
+        _prefill_from(pair, "turn2", second, pair.d.endpoint, len(first), _salted(salt))
         assert pair.collect(["turn2"])["turn2"] == expected
         pair.wait_free()
         assert pair.p.connector.puller.num_pulled_blocks == 5
@@ -205,5 +211,52 @@ def test_a_failed_pull_read_computes_the_prompt_and_frees_the_holders_blocks(
         puller = pair.d.connector.puller
         assert (puller.num_pulls, puller.num_pulled_blocks, puller.num_failed) == (1, 0, 1)
         assert not pair.p.connector.lender.lent and not pair.d.connector.pins
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(("owner", "asker"), [("a", "a"), ("a", "b"), (None, "a"), ("a", None)])
+def test_a_pull_reads_only_blocks_cached_under_the_requests_salt(
+    model, turns, expected, owner, asker
+):
+    """The holder pins only blocks cached under the reader's salt (`PrefixPull.cache_salt`):
+    another tenant's prefix (or an unsalted one) is never read. What is read joins the reader's
+    cache under that salt (its prefill computes only the rest), and the decode worker reuses
+    its own blocks for the hand-off under that salt only."""
+    first, second = turns
+    pair = Pair(model)
+    try:
+        pair.generate_on_decode("turn1", first, _salted(owner))
+        pair.collect(["turn1"])
+        before = _computed(pair.p)
+        _prefill_from(pair, "turn2", second, pair.d.endpoint, len(first), _salted(asker))
+        assert pair.collect(["turn2"])["turn2"] == expected
+        pair.wait_free()
+        pulled = 5 if owner == asker else 0
+        puller = pair.p.connector.puller
+        assert (puller.num_pulled_blocks, puller.num_failed) == (pulled, int(not pulled))
+        assert pair.d.connector.lender.num_refused == int(not pulled)
+        assert _computed(pair.p) - before == len(second) - pulled * BS
+        assert pair.d.connector.num_reused_blocks == pulled
+    finally:
+        pair.close()
+
+
+def test_a_salted_pull_asks_only_past_the_readers_own_blocks_of_that_salt(model, turns, expected):
+    """The reader holds turn 1's first 2 blocks under the request's salt (and the first 3
+    unsalted, which it must not count as its own): it pulls the other 3 of the holder's 5."""
+    first, second = turns
+    pair = Pair(model)
+    try:
+        _only_on_the_prefill_worker(pair, first[:33], "a")
+        _only_on_the_prefill_worker(pair, first[:49])
+        pair.generate_on_decode("turn1", first, _salted("a"))
+        pair.collect(["turn1"])
+        _prefill_from(pair, "turn2", second, pair.d.endpoint, len(first), _salted("a"))
+        assert pair.collect(["turn2"])["turn2"] == expected
+        pair.wait_free()
+        puller = pair.p.connector.puller
+        assert (puller.num_pulls, puller.num_pulled_blocks, puller.num_failed) == (1, 3, 0)
+        assert pair.d.connector.lender.num_lent_blocks == 3
     finally:
         pair.close()
