@@ -78,9 +78,13 @@ def _allowed_tokens(
 ) -> None:
     """Every logit of the row but the allowed ones -inf (their values kept, as vLLM's mask)."""
     for i in rows:
-        # A tensor filter, not per-id Python: the list may be as long as the vocabulary.
-        ids = torch.tensor(seqs[i].sampling.allowed_token_ids, dtype=torch.int64)
-        ids = ids[ids < vocab].to(logits.device)
+        seq = seqs[i]
+        ids = seq.allowed_ids
+        if ids is None or ids.device != logits.device:
+            # Built once per request (the list may be as long as the vocabulary), filtered as
+            # a tensor, not per id in Python.
+            ids = torch.tensor(seq.sampling.allowed_token_ids, dtype=torch.int64)
+            ids = seq.allowed_ids = ids[ids < vocab].to(logits.device)
         kept = logits[i, ids]
         logits[i] = float("-inf")
         logits[i, ids] = kept

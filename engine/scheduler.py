@@ -103,6 +103,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     grammar: object | None = None  # engine.structured matcher when sampling.structured
     prompt_hashes: list[int] | None = None  # the scheduler's, for in-batch prefix sharing
+    allowed_ids: torch.Tensor | None = None  # the sampler's allowed_token_ids, built once
 
     def __post_init__(self) -> None:
         if not self.group_id:
