@@ -39,6 +39,7 @@ ROUTER_FIELDS_FROM_SERVE = frozenset(
         "max_model_len",
         "default_block_size",
         "tokenizer",
+        "scheduling_policy",
     }
 )
 # PlannerConfig fields `tandem serve` sets from its own settings (one flag, one meaning).
@@ -360,4 +361,7 @@ class ServeSettings:
             ),
             max_model_len=self.engine.get("max_model_len"),
             tokenizer=self.engine.get("tokenizer"),
+            scheduling_policy=self.engine.get(
+                "scheduling_policy", field_default(EngineConfig, "scheduling_policy")
+            ),
         )

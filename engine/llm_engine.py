@@ -35,7 +35,7 @@ from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampler import skip_draw
-from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
+from engine.scheduler import SCHEDULING_POLICIES, Scheduler, SeqStatus, Sequence, choice_key
 from engine.wire import trusted
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,9 @@ class EngineConfig:
         0.0, "host-memory KV tier in GiB for blocks the device cache evicts (0: off)"
     )
     max_num_seqs: int = setting(256, "sequences per step")
+    scheduling_policy: str = setting(
+        "fcfs", "fcfs, or priority: by request priority (lower first)", choices=SCHEDULING_POLICIES
+    )
     max_num_batched_tokens: int = setting(2048, "tokens per step (the chunked-prefill budget)")
     max_model_len: int | None = setting(None, "cap on the context window")
     enable_prefix_caching: bool = setting(
@@ -166,6 +169,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, budget, config.enable_chunked_prefill
         )
+        self.scheduler.set_policy(config.scheduling_policy)
         self.scheduler.remote_reuse = config.decode_kv_reuse
         self.host_cache = None
         if config.kv_host_cache_gb > 0 and config.enable_prefix_caching:

@@ -88,6 +88,9 @@ class SamplingParams(Frame, frozen=True):
     # this request's blocks (prefill, decode after the hand-off, a prefix pull), and this is the
     # per-request record every one of those frames carries.
     cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
+    # vLLM's priority (lower runs first) under the priority scheduling policy; like cache_salt,
+    # a request setting every engine that queues the request reads (engine/scheduler.py).
+    priority: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
     def check(self) -> None:
         if self.top_k == 0:

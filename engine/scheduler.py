@@ -13,6 +13,11 @@ waits a step, keeping its place, so the shared prefix is computed once (SGLang's
 prefix caching). Every prefix match here, in-flight or cached, hashes a prompt under its
 request's `cache_salt`, so only prompts of the same salt share blocks.
 
+"Arrival order" is the fcfs policy's (vLLM's `--scheduling-policy`, `set_policy`). Under
+"priority" the order is (`SamplingParams.priority`, arrival), lower first: the waiting queue is
+kept in it (a preempted sequence goes back to its place, not to the head), running sequences
+take their tokens in it, and the one preempted is the last in it (vLLM's rule).
+
 One admission policy for one block pool: a request whose prompt KV comes from a prefill peer
 (`Sequence.kv_from_peer`) waits in the same queue and is admitted by the same rules (a free
 sequence slot, the blocks its prompt needs, nothing preempted this step). Admitted, it takes
@@ -53,6 +58,12 @@ import torch
 from engine.block_hash import prefix_block_hashes
 from engine.kv_cache import BlockManager
 from engine.protocol import SamplingParams
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _priority(seq: Sequence) -> tuple[int, float]:
+    return seq.sampling.priority, seq.arrival_time
 
 
 def choice_key(request_id: str, choice: int) -> str:
@@ -169,6 +180,7 @@ class Scheduler:
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.by_priority = False  # set_policy
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -191,9 +203,25 @@ class Scheduler:
         table, cached = self.bm.allocate(token_ids, use_cache, count, salt)
         return table, cached, cached
 
+    def set_policy(self, policy: str) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}")
+        self.by_priority = policy == "priority"
+
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        self._queue(seq, at_head=False)
+
+    def _queue(self, seq: Sequence, at_head: bool) -> None:
+        """Into the waiting queue: at its end or head (fcfs), or at its place by priority."""
+        if not self.by_priority:
+            self.waiting.appendleft(seq) if at_head else self.waiting.append(seq)
+            return
+        key = _priority(seq)
+        i = len(self.waiting)  # new work is usually the last: scan from the end
+        while i > 0 and _priority(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose KV is now in the cache (received from a peer). From here it
@@ -234,7 +262,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, at_head=True)
 
     def _preempt(self, seq: Sequence) -> None:
         self._reset(seq)
@@ -259,7 +287,8 @@ class Scheduler:
         """Give running sequences their tokens, preempting the youngest when blocks run out;
         returns the token budget left."""
         budget = self.max_num_batched_tokens
-        queue = list(self.running)
+        # By priority, the first in priority order take their tokens first (and are kept).
+        queue = sorted(self.running, key=_priority) if self.by_priority else list(self.running)
         kept: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
@@ -268,7 +297,7 @@ class Scheduler:
                 kept.append(seq)
                 continue
             while not self.bm.can_append(seq.block_table, seq.num_computed_tokens + n):
-                victim = queue.pop() if queue else seq
+                victim = self._victim(queue, seq)
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -280,6 +309,19 @@ class Scheduler:
                 budget -= n
         self.running = kept
         return budget
+
+    def _victim(self, queue: list[Sequence], seq: Sequence) -> Sequence:
+        """The running sequence to preempt (taken out of `queue`): the youngest, or by priority
+        the one last in priority order (`seq`, which needs the room, among them)."""
+        if not queue:
+            return seq
+        if not self.by_priority:
+            return queue.pop()
+        last = max(queue, key=_priority)
+        if _priority(seq) > _priority(last):
+            return seq
+        queue.remove(last)
+        return last
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting:  # the usual decode step: no set of in-flight blocks to build

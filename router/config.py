@@ -91,6 +91,9 @@ class RouterConfig:
         "affinity, KV usage + that, for the worker the prompt's prefix hashes to",
     )
     default_block_size: int = setting(16, "KV block size assumed for workers that report none")
+    scheduling_policy: str = setting(
+        "fcfs", "the workers' (engine --scheduling-policy): fcfs refuses a request's priority"
+    )
     completion_default_max_tokens: int = setting(
         16, "max_tokens of a /v1/completions request that gives none"
     )

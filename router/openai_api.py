@@ -164,6 +164,7 @@ class RequestParser:
         check_structured: Callable[[str, str], None] | None = None,
         tool_format: str | None = None,
         model_aliases: tuple[str, ...] = (),
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -176,6 +177,7 @@ class RequestParser:
         # schema is a 400 here, not an error from a worker.
         self.check_structured = check_structured
         self.tool_format = tool_format
+        self.by_priority = scheduling_policy == "priority"
         # Mistral's call marker as one token id for the grammar; special: decoded only with
         # skip_special_tokens off (then the request keeps special tokens to see it).
         self.marker_token, self.marker_special = _single_token(tokenizer, MISTRAL_CALLS)
@@ -322,7 +324,13 @@ class RequestParser:
             "allowed_token_ids": tuple(req.allowed_token_ids or ()),
             "bad_words_token_ids": self._bad_words(req.bad_words or ()),
             "cache_salt": req.cache_salt,
+            "priority": self._priority(req.priority or 0),
         }
+
+    def _priority(self, priority: int) -> int:
+        if priority and not self.by_priority:
+            raise bad_request(openai_fields.PRIORITY_NEEDS_POLICY, "priority", "unsupported_field")
+        return priority
 
     def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's bad words as token ids: each word as the tokenizer splits it alone, and after

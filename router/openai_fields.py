@@ -39,9 +39,12 @@ REFUSED = {
     "spaces_between_special_tokens": "only the default (true) is supported",
     "structural_tag": "structural tags are not supported; use a grammar",
     "use_beam_search": "beam search is not supported; use n or best_of",
-    "priority": "only 0: requests are served first come, first served (vLLM without "
-    "--scheduling-policy priority refuses other values too)",
 }
+# Why a priority other than 0 is refused under the fcfs policy (vLLM's rule too).
+PRIORITY_NEEDS_POLICY = (
+    "'priority': only 0 unless the workers run --scheduling-policy priority; this deployment "
+    "serves requests first come, first served"
+)
 
 
 def refusal(name: str, value: Any) -> str | None:

@@ -170,6 +170,7 @@ _SHARED_CHECKS = {
     "allowed_token_ids": "token ids below the vocabulary size",
     "bad_words": f"each word at most {MAX_BAD_WORD_TOKENS} tokens",
     "truncate_prompt_tokens": "-1, or 1 to max_model_len",
+    "priority": "0 unless the workers run --scheduling-policy priority",
     **dict.fromkeys(("response_format", "structured_outputs", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar"), _STRUCTURED_RULE),
 }  # fmt: skip

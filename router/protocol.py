@@ -144,7 +144,6 @@ JsonSchemaText = Annotated[
 
 _DEFAULTS: dict[str, list[Any]] = {
     "spaces_between_special_tokens": [True, None],
-    "priority": [0, None],
     "use_beam_search": [False, None],
 }
 
@@ -429,7 +428,9 @@ class GenerationRequest(_Open):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT)] | None = flag(
         "vLLM: the prompt's cached blocks are shared only with requests of the same salt"
     )
-    priority: refused("priority") = None
+    priority: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = flag(
+        "vLLM: lower runs first, with --scheduling-policy priority (else only 0)"
+    )
     use_beam_search: refused("use_beam_search") = None
     # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.
     _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)

@@ -51,7 +51,7 @@ _PARAMS = {
 SAMPLING_EXTRAS = (
     "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias",
-    "include_stop_str_in_output", "skip_special_tokens", "cache_salt",
+    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "priority",
 )  # fmt: skip
 
 

@@ -90,6 +90,7 @@ def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
         check_structured=RouterServer._structured_checker(info),
         tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
         model_aliases=(config.model_path,),
+        scheduling_policy=config.scheduling_policy,
     )
 
 

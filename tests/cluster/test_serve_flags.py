@@ -358,3 +358,12 @@ def test_ready_file_is_never_seen_half_written(tmp_path):
     assert _race_ready_file(tmp_path, plain) > 0  # the race exists, and this sees it
     assert _race_ready_file(tmp_path, write_ready_file) == 0
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_one_scheduling_policy_flag_reaches_the_router_and_the_workers():
+    """The router refuses a request's priority unless the workers order by it: both read the
+    one engine flag."""
+    s = settings_from_args(_parse("--scheduling-policy", "priority"))
+    assert s.router_config("127.0.0.1").scheduling_policy == "priority"
+    assert EngineConfig(model=s.model, **s.engine).scheduling_policy == "priority"
+    assert settings_from_args(_parse()).router_config("127.0.0.1").scheduling_policy == "fcfs"

@@ -100,3 +100,24 @@ def test_allowed_ids_and_output_flags_are_carried(parser):
     assert parsed.ignored_fields == []
     plain = parser.parse_completion(b'{"prompt": "x"}')
     assert not (plain.return_token_ids or plain.tokens_as_ids or plain.sampling.needs_processing)
+
+
+def test_priority_needs_the_priority_policy(tokenizer):
+    by_priority = RequestParser(
+        tokenizer, "m", WINDOW, len(tokenizer), scheduling_policy="priority"
+    )
+    body = {"prompt": "x", "max_tokens": 2, "priority": -3}
+    assert by_priority.parse_completion(json.dumps(body).encode()).sampling.priority == -3
+    fcfs = RequestParser(tokenizer, "m", WINDOW, len(tokenizer))
+    with pytest.raises(APIError, match="--scheduling-policy priority") as e:
+        fcfs.parse_completion(json.dumps(body).encode())
+    assert (e.value.status, e.value.param) == (400, "priority")
+    assert fcfs.parse_completion(json.dumps(body | {"priority": 0}).encode()).sampling.priority == 0
+
+
+def test_the_router_config_sets_the_parsers_policy(make_tiny_model):
+    from router.config import RouterConfig
+    from router.server import load_model_info, request_parser
+
+    config = RouterConfig(model_path=str(make_tiny_model("llama")), scheduling_policy="priority")
+    assert request_parser(config, load_model_info(config)).by_priority
