@@ -231,3 +231,42 @@ def test_cache_salt_keeps_cached_prefixes_apart(client, model_name, length):
     assert cached("tenant-a") >= 16  # its whole blocks, from the cache
     assert cached("tenant-b") == 0 and cached(None) == 0
     assert cached("tenant-b") >= 16 and cached(None) >= 16
+
+
+def test_return_token_ids_for_a_batch_of_prompts(client, model_name, reference):
+    """Each choice carries its own prompt's ids (index order: prompt-major, then n)."""
+    prompts = ["The weather today", "Once upon a time, in a small village by the sea"]
+    answer = client.completions.create(
+        model=model_name, prompt=prompts, max_tokens=3, n=2, temperature=1.0, seed=9,
+        **_extra(return_token_ids=True),
+    )  # fmt: skip
+    assert [c.index for c in answer.choices] == [0, 1, 2, 3]
+    for c in answer.choices:
+        assert c.model_extra["prompt_token_ids"] == reference.encode(prompts[c.index // 2])
+        assert len(_ids(c)) == 3 and reference.text(_ids(c)) == c.text
+
+
+def test_bad_words_hold_in_every_sampled_streamed_choice(client, model_name, reference):
+    """Three sampled choices, streamed: the token the same seed samples most often without
+    the ban (a one-token word) never comes with it."""
+
+    def sampled(**fields) -> dict[int, list[int]]:
+        stream = client.completions.create(
+            model=model_name, prompt="The weather today", max_tokens=12, n=3, temperature=1.5,
+            seed=2, stream=True, **_extra(return_token_ids=True, **fields),
+        )  # fmt: skip
+        seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+        for chunk in stream:
+            seen[chunk.choices[0].index] += chunk.choices[0].model_extra["token_ids"]
+        return seen
+
+    def bans(t: int) -> bool:  # the token's text as a bad word masks the token itself
+        text = reference.token_str(t)
+        return bool(text.strip()) and (t,) in vllm_bad_words(reference.tokenizer, [text])
+
+    free = [t for v in sampled().values() for t in v]
+    token = max((t for t in set(free) if bans(t)), key=free.count)
+    word = reference.token_str(token)
+    banned = {w[0] for w in vllm_bad_words(reference.tokenizer, [word]) if len(w) == 1}
+    held = sampled(bad_words=[word])
+    assert all(len(v) == 12 and not banned & set(v) for v in held.values())
