@@ -26,7 +26,11 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
 )
+# Architectures whose checkpoints store q/k/v and gate/up already fused, under the names the
+# engine's parameters have (`qkv_proj`, `gate_up_proj`): engine/loader.py reads those whole.
+PREFUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -92,6 +96,7 @@ class ModelConfig:
             )
         hf = load_hf_config(path)
         arch = architecture_of(hf)
+        _check_computable(hf, arch)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False))
@@ -128,10 +133,18 @@ class ModelConfig:
             fp8_checkpoint=fp8,
         )
 
+    @property
+    def prefused_checkpoint(self) -> bool:
+        """The checkpoint holds `qkv_proj` / `gate_up_proj` whole (Phi-3), not their parts."""
+        return self.architecture in PREFUSED_CHECKPOINTS
+
     def context_window(self, max_model_len: int | None) -> int:
         """The context window served: max_position_embeddings, lowered to `max_model_len` when
-        set; the router computes its limit with the same function."""
-        return context_window(self.hf_config, max_model_len, self.path)
+        set; the router computes its limit with the same function. A longrope model's window
+        must stay inside its original context (`_check_longrope_window`)."""
+        window = context_window(self.hf_config, max_model_len, self.path)
+        _check_longrope_window(self.hf_config, self.architecture, window)
+        return window
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -140,3 +153,42 @@ class ModelConfig:
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
+
+
+def _check_computable(hf: Any, arch: str) -> None:
+    """ValueError naming the config field when the decoder would compute something other than
+    transformers does: it rotates every dimension of a head, and its MLP is SiLU-gated."""
+    params = getattr(hf, "rope_parameters", None)
+    params = params if isinstance(params, dict) else {}
+    for where, value in (
+        ("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)),
+        ("rope_parameters['partial_rotary_factor']", params.get("partial_rotary_factor")),
+    ):
+        if value is not None and float(value) != 1.0:
+            raise ValueError(
+                f"{arch}: {where} is {value}; only full rotary embeddings (1.0) are supported"
+            )
+    act = getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "swish"):  # transformers' two names of one function
+        raise ValueError(f"{arch}: hidden_act is {act!r}; only 'silu' is supported")
+
+
+def _check_longrope_window(hf: Any, arch: str, window: int) -> None:
+    """ValueError when a longrope model would serve past its original context. There the
+    factors switch from short to long, and transformers computes every position of such a
+    sequence with the long ones (Phi-3's `generate` recomputes the cache at the switch; a
+    longer prompt is one forward), while the engine's rotary tables are per position
+    (engine.models.rope), so a sequence's early keys would keep the short factors."""
+    params = getattr(hf, "rope_parameters", None)
+    if not isinstance(params, dict) or params.get("rope_type") != "longrope":
+        return
+    original = params.get("original_max_position_embeddings") or getattr(
+        hf, "original_max_position_embeddings", None
+    )
+    if original and window > original:
+        raise ValueError(
+            f"{arch}: rope_type 'longrope' switches to its long factors past "
+            f"original_max_position_embeddings ({original}) for every position of the "
+            f"sequence, which per-position rotary tables cannot; serve a context window of at "
+            f"most {original} tokens (max_model_len={original}), not {window}"
+        )

@@ -173,7 +173,8 @@ def _fused_of(model: CausalLM, name: str) -> str | None:
 
 def _hf_names(model: CausalLM) -> list[str]:
     """The transformers names of the model's weights (fused projections split back into their
-    parts; the head always, tied or not)."""
+    parts, unless the architecture's checkpoints hold them fused; the head always, tied or
+    not)."""
     names = {"lm_head.weight"}
     for name, _ in model.named_parameters(remove_duplicate=False):
         fused = _fused_of(model, name)
@@ -196,7 +197,9 @@ def _open_checkpoint(model: CausalLM, path: str, stack: contextlib.ExitStack, cf
 
 def load_weights(model: CausalLM, path: str, shard=None) -> None:
     """Fill `model` from the checkpoint at `path` (safetensors files or a GGUF file); every
-    weight it expects must be there, every tensor there must be one it has. With `shard`,
+    weight it expects must be there, every tensor there must be one it has, in the layout the
+    architecture's checkpoints have (`model.packed_modules`: q/k/v and gate/up as parts, or
+    fused already, as Phi-3's, which then fill their parameters whole). With `shard`,
     every tensor is read as that rank's slice (engine.models.parallel.ShardedCheckpoint)."""
     ckpt = model.cfg.fp8_checkpoint
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -219,6 +222,12 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             name, idx = _target(model, hf_name)
+            if idx is None and (fused := _fused_of(model, name)):
+                # A fused tensor where this architecture's checkpoints hold its parts.
+                raise ValueError(
+                    f"unexpected weight {hf_name!r} in {files.where[hf_name]}: "
+                    f"{model.cfg.architecture} checkpoints hold {model.packed_modules[fused]}"
+                )
             if name in fp8_layers:
                 _load_fp8_part(model, fp8_layers[name], name, idx, hf_name, files)
             elif name in params:

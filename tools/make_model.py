@@ -19,6 +19,7 @@ family so a runtime that gets one of them wrong cannot pass on the others:
 - mistral: MHA (kv heads == heads), no sliding window, 3 layers in `tiny`
 - qwen2:   GQA, q/k/v biases, tied input/output embeddings
 - qwen3:   MQA (1 kv head), head_dim != hidden/heads, per-head q/k RMSNorm
+- phi3:    GQA, q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`), no sliding window
 
 Weights are not HF's default init: the norms are 1 + 0.1*N(0,1) (so a runtime that ignores
 them fails), biases and q/k norms are non-zero, q/k projections are scaled so attention
@@ -48,7 +49,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 PRESETS = ("tiny", "small")
 
 PAD_TOKEN = "<|pad|>"
@@ -126,6 +127,7 @@ _CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "phi3": "Phi3Config",
 }
 
 
@@ -154,6 +156,9 @@ class ModelShape:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even for rotary embeddings")
+        if self.arch == "phi3" and self.head_dim * self.num_attention_heads != self.hidden_size:
+            # Phi3Config has no head_dim field: its rope checks use hidden_size // heads.
+            raise ValueError("phi3: head_dim must be hidden_size / num_attention_heads")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ValueError("vocab_size must hold the 256 byte tokens and the special tokens")
         if self.max_position_embeddings < 1:
@@ -191,6 +196,7 @@ _SHAPES: dict[tuple[str, str], ModelShape] = {
         "qwen2", 128, 2, 4, 2, 32, 384, 1024, 1024, 1000000.0, 1e-6, tie_word_embeddings=True
     ),
     ("qwen3", "tiny"): ModelShape("qwen3", 128, 2, 4, 1, 48, 384, 1024, 1024, 1000000.0, 1e-6),
+    ("phi3", "tiny"): ModelShape("phi3", 128, 2, 4, 2, 32, 320, 1024, 1024, 10000.0, 1e-5),
     ("llama", "small"): ModelShape(
         "llama", 512, 8, 8, 4, 64, 1536, 8192, 2048, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
     ),
@@ -199,6 +205,7 @@ _SHAPES: dict[tuple[str, str], ModelShape] = {
         "qwen2", 512, 8, 8, 2, 64, 2048, 8192, 2048, 1000000.0, 1e-6, tie_word_embeddings=True
     ),
     ("qwen3", "small"): ModelShape("qwen3", 512, 8, 8, 1, 96, 1536, 8192, 2048, 1000000.0, 1e-6),
+    ("phi3", "small"): ModelShape("phi3", 512, 8, 8, 4, 64, 1536, 8192, 2048, 10000.0, 1e-5),
 }
 
 
@@ -242,7 +249,7 @@ def build_config(shape: ModelShape) -> Any:
     }
     if shape.rope_scaling is not None:
         kwargs["rope_scaling"] = dict(shape.rope_scaling)
-    if shape.arch == "mistral":
+    if shape.arch in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
     if shape.arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False

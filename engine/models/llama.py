@@ -3,7 +3,9 @@
 Inputs are [num_tokens] ids and positions for all sequences of a step, concatenated; the
 attention backend splits them per sequence with the step's metadata. Parameter names follow
 Hugging Face's except that q/k/v and gate/up are fused (`qkv_proj`, `gate_up_proj`): one GEMM
-instead of three or two. `packed_modules` tells the loader how to fill the fused weights.
+instead of three or two. `packed_modules` tells the loader how to fill the fused weights (Phi-3's
+checkpoints hold them fused already, in the same [q | k | v] and [gate | up] order, and its
+layer is this one: same norms, SiLU-gated MLP and residual adds).
 The projections are `engine.models.linear.Linear` (CPU GEMM routing, int8 weights).
 """
 
@@ -168,7 +170,9 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    # fused parameter -> [(HF name, shard index)], in concatenation order
+    # fused parameter -> the checkpoint's names of its parts, in concatenation order. A
+    # pre-fused checkpoint (Phi-3: `ModelConfig.prefused_checkpoint`) stores the fused
+    # tensors themselves, in this same order, so its model packs nothing.
     packed_modules = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
         "gate_up_proj": ["gate_proj", "up_proj"],
@@ -177,6 +181,8 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        if cfg.prefused_checkpoint:
+            self.packed_modules = {}
         self.model = Backbone(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

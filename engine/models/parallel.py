@@ -9,7 +9,9 @@ slice, never whole):
 
 - column-parallel, split by output rows: q_proj, k_proj, v_proj (and their biases: qwen2),
   gate_proj, up_proj. Each part is cut on its own and the loader places it in the rank's
-  fused qkv / gate_up tensor, so the fused layout is [q_r | k_r | v_r] per rank;
+  fused qkv / gate_up tensor, so the fused layout is [q_r | k_r | v_r] per rank. A
+  pre-fused checkpoint tensor (Phi-3's qkv_proj, gate_up_proj) is cut part by part the same
+  way and the rank's cuts concatenated: the same per-rank layout, read as the same slices;
 - row-parallel, split by input columns: o_proj and down_proj (`RowParallelLinear`: the
   partial products are summed over the ranks by an all-reduce; a bias, if any, is added
   by rank 0 only);
@@ -44,6 +46,11 @@ _RULES = (
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), "col", "mlp"),
     (re.compile(r"\.self_attn\.o_proj\.weight$"), "row", "q"),
     (re.compile(r"\.mlp\.down_proj\.weight$"), "row", "mlp"),
+)
+# A pre-fused checkpoint tensor -> its parts, in row order (each cut as the split tensor is).
+_FUSED_RULES = (
+    (re.compile(r"\.self_attn\.qkv_proj\.(weight|bias)$"), ("q", "kv", "kv")),
+    (re.compile(r"\.mlp\.gate_up_proj\.weight$"), ("mlp", "mlp")),
 )
 _ROW_BIAS = re.compile(r"\.self_attn\.o_proj\.bias$")
 ROW_PARALLEL = ("o_proj", "down_proj")
@@ -92,19 +99,42 @@ class Shard:
             intermediate_size=self.intermediate,
         )
 
-    def cut(self, hf_name: str) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of the rank's slice of checkpoint tensor `hf_name`, or None for
-        a replicated tensor."""
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        """part -> (start, length) of the rank's slice within that part's rows (or columns)."""
         d = self.cfg.head_dim
-        spans = {
+        return {
             "q": (self.rank * self.num_heads * d, self.num_heads * d),
             "kv": (self.kv_head_start * d, self.num_kv_heads * d),
             "mlp": (self.rank * self.intermediate, self.intermediate),
         }
+
+    def cut(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of the rank's slice of checkpoint tensor `hf_name`, or None for
+        a replicated (or pre-fused: `fused_rows`) tensor."""
+        spans = self._spans()
         for pattern, split, part in _RULES:
             if pattern.search(hf_name):
                 start, n = spans[part]
                 return (0 if split == "col" else 1), start, start + n
+        return None
+
+    def fused_rows(self, hf_name: str) -> list[tuple[int, int]] | None:
+        """The (start, stop) row ranges of the rank's parts of pre-fused checkpoint tensor
+        `hf_name`, in the rank's fused order; None for any other tensor."""
+        cfg, spans = self.cfg, self._spans()
+        whole = {
+            "q": cfg.num_heads * cfg.head_dim,
+            "kv": cfg.num_kv_heads * cfg.head_dim,
+            "mlp": cfg.intermediate_size,
+        }
+        for pattern, parts in _FUSED_RULES:
+            if pattern.search(hf_name):
+                rows, offset = [], 0
+                for part in parts:
+                    start, n = spans[part]
+                    rows.append((offset + start, offset + start + n))
+                    offset += whole[part]
+                return rows
         return None
 
 
@@ -151,10 +181,16 @@ class ShardedCheckpoint:
         if _ROW_BIAS.search(name):
             bias = self.inner.get(name)
             return bias if self.shard.rank == 0 else torch.zeros_like(bias)
+        rows = self.shard.fused_rows(name)
+        if rows is not None:
+            return torch.cat([self._read(name, 0, start, stop) for start, stop in rows])
         cut = self.shard.cut(name)
         if cut is None:
             return self.inner.get(name)
-        dim, start, stop = cut
+        return self._read(name, *cut)
+
+    def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor `name`."""
         handle = getattr(self.inner, "files", {}).get(self.where.get(name))
         if handle is not None:  # safetensors: read only the slice
             part = handle.get_slice(name)
@@ -172,6 +208,9 @@ class ShardedCheckpoint:
         converted from the whole tensor's (n, k: the rank's shape, unused)."""
         full_n, full_k = self.shape(hf_name)
         s = self.inner.scale_of(ckpt, scale_name, hf_name, full_n, full_k)
+        rows = self.shard.fused_rows(hf_name)
+        if rows is not None:  # per row (scale_rows): the rows the weight's parts kept
+            return torch.cat([s[start:stop] for start, stop in rows]).contiguous()
         cut = self.shard.cut(hf_name)
         if cut is None:
             return s

@@ -10,7 +10,14 @@ and sin times the variant's attention scaling. That spares each worker process t
 the architecture's modeling module (~1.8 s of CPU on a 2-core box, on every worker start);
 tests/engine/test_rope.py holds the two bit-equal for every architecture and variant. Any other
 config (dynamic or longrope, whose forward rescales by length; transformers 4's keys) is built
-by the HF class itself."""
+by the HF class itself.
+
+longrope (Phi-3.5 style) picks its frequencies per forward call: the short factors while the
+call's last position is below `original_max_position_embeddings`, the long ones past it, for
+every position of the call. A sequence that outgrows the original context is thus computed
+with the long factors at all its positions (Phi-3's `generate` recomputes its cache at the
+switch), which per-position tables cannot be; engine.config refuses a context window past the
+original context for longrope, so only the short rows (`_longrope_tables`) are ever read."""
 
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ _ROTARY_CLASSES = {
     "MistralForCausalLM": ("mistral", "MistralRotaryEmbedding"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2RotaryEmbedding"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3RotaryEmbedding"),
+    "Phi3ForCausalLM": ("phi3", "Phi3RotaryEmbedding"),
 }
 # Variants whose forward changes the frequencies with the sequence length (HF's
 # `dynamic_rope_update`): the class builds those.
@@ -33,6 +41,8 @@ def rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
     """(cos, sin) of shape [max_position, head_dim] in float32."""
     params = getattr(hf_config, "rope_parameters", None)
     rope_type = params.get("rope_type", "default") if isinstance(params, dict) else None
+    if rope_type is not None and "longrope" in rope_type:
+        return _longrope_tables(hf_config, architecture, max_position, head_dim)
     if rope_type is None or any(t in rope_type for t in _LENGTH_DEPENDENT):
         return hf_rope_tables(hf_config, architecture, max_position, head_dim)
     inv_freq, scaling = _inverse_frequencies(hf_config, rope_type)
@@ -52,6 +62,21 @@ def _inverse_frequencies(hf_config, rope_type: str) -> tuple[torch.Tensor, float
     cfg = hf_config
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+
+def _longrope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
+    """Rows below the original context from a forward that stays inside it (short factors:
+    what transformers computes for a sequence that fits it), the rest, never read while the
+    window stays inside it (see the module docstring), from one over every position."""
+    original = hf_config.rope_parameters.get("original_max_position_embeddings") or getattr(
+        hf_config, "original_max_position_embeddings", max_position
+    )
+    short = min(int(original), max_position)
+    cos, sin = hf_rope_tables(hf_config, architecture, short, head_dim)
+    if short == max_position:
+        return cos, sin
+    long_cos, long_sin = hf_rope_tables(hf_config, architecture, max_position, head_dim)
+    return torch.cat((cos, long_cos[short:])), torch.cat((sin, long_sin[short:]))
 
 
 def hf_rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):

@@ -19,6 +19,7 @@ CONFIG_CLASSES = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Phi3ForCausalLM": "Phi3Config",
 }
 VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -41,25 +42,41 @@ VARIANTS = {
     # The class rescales these with the sequence length: they go through the class itself.
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
 }
+# Phi3Config accepts only these rope types (and longrope: test_longrope_*).
+PHI3_VARIANTS = ("default", "theta-1e6")
+CASES = [
+    (arch, variant)
+    for arch in sorted(_ROTARY_CLASSES)
+    for variant in sorted(VARIANTS)
+    if arch != "Phi3ForCausalLM" or variant in PHI3_VARIANTS
+]
+# Phi-3.5-mini's shape of longrope, small: per-frequency short and long factors (head_dim 32).
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.05 * i for i in range(16)],
+    "long_factor": [1.5 + 0.5 * i for i in range(16)],
+    "original_max_position_embeddings": 128,
+}
 
 
-def _config(architecture: str, rope: dict, head_dim: int | None):
+def _config(architecture: str, rope: dict, head_dim: int | None, max_position=1024, **extra):
     import transformers
 
     cls = getattr(transformers, CONFIG_CLASSES[architecture])
-    extra = {} if head_dim is None else {"head_dim": head_dim}
+    if head_dim is not None:
+        extra["head_dim"] = head_dim
     return cls(
         hidden_size=96,
         num_attention_heads=3,
         num_key_value_heads=1,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position,
         rope_parameters=dict(rope),
         **extra,
     )
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("architecture", sorted(_ROTARY_CLASSES))
+@pytest.mark.parametrize(("architecture", "variant"), CASES)
 def test_tables_equal_the_hf_class_bit_for_bit(architecture, variant):
     head_dim = 64 if architecture == "Qwen3ForCausalLM" else None  # qwen3 states its own
     cfg = _config(architecture, VARIANTS[variant], head_dim)
@@ -86,3 +103,26 @@ def test_tables_import_no_modeling_module():
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("architecture", ["Phi3ForCausalLM", "LlamaForCausalLM"])
+def test_longrope_tables_are_short_below_the_original_context_and_long_from_it(architecture):
+    """What `generate` computes at each position while the prompt fits the original context
+    (128 here): the class's short-factor rows below it, its long-factor rows from it on."""
+    cfg = _config(architecture, LONGROPE, None)
+    if architecture == "Phi3ForCausalLM":  # its own top-level field overrides rope_parameters'
+        cfg = _config(architecture, LONGROPE, None, original_max_position_embeddings=128)
+    cos, sin = rope_tables(cfg, architecture, 1024, 32)
+    short_cos, short_sin = hf_rope_tables(cfg, architecture, 128, 32)
+    long_cos, long_sin = hf_rope_tables(cfg, architecture, 1024, 32)
+    assert cos.shape == (1024, 32) and cos.dtype == torch.float32
+    assert torch.equal(cos[:128], short_cos) and torch.equal(sin[:128], short_sin)
+    assert torch.equal(cos[128:], long_cos[128:]) and torch.equal(sin[128:], long_sin[128:])
+    assert not torch.equal(short_cos[1:], long_cos[1:128])  # the factors differ: both matter
+
+
+def test_longrope_within_the_original_context_is_the_class_itself():
+    cfg = _config("Phi3ForCausalLM", LONGROPE, None, 128, original_max_position_embeddings=128)
+    cos, sin = rope_tables(cfg, "Phi3ForCausalLM", 128, 32)
+    ref_cos, ref_sin = hf_rope_tables(cfg, "Phi3ForCausalLM", 128, 32)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
