@@ -44,6 +44,7 @@ MAX_IDS = 1 << 20  # token or block ids in one message: a 1M-token prompt fits
 # bound that work (and the frame: 256k ids at most); a longer list is a job for allowed_token_ids.
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_TOKENS = 256
+SCHEDULING_POLICIES = ("fcfs", "priority")  # an engine's queue order (engine/scheduler.py)
 MAX_CACHE_SALT = 1024  # characters; vLLM suggests 43 (256 random bits in base64)
 
 TokenId = Annotated[int, Meta(ge=0, lt=2**31)]

@@ -57,9 +57,7 @@ import torch
 
 from engine.block_hash import prefix_block_hashes
 from engine.kv_cache import BlockManager
-from engine.protocol import SamplingParams
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
+from engine.protocol import SCHEDULING_POLICIES, SamplingParams
 
 
 def _priority(seq: Sequence) -> tuple[int, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
+from engine.protocol import SCHEDULING_POLICIES
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
 ROUTING_POLICIES = ("kv-events", "affinity")
@@ -92,7 +93,9 @@ class RouterConfig:
     )
     default_block_size: int = setting(16, "KV block size assumed for workers that report none")
     scheduling_policy: str = setting(
-        "fcfs", "the workers' (engine --scheduling-policy): fcfs refuses a request's priority"
+        "fcfs",
+        "the workers' (engine --scheduling-policy): fcfs refuses a request's priority",
+        choices=SCHEDULING_POLICIES,
     )
     completion_default_max_tokens: int = setting(
         16, "max_tokens of a /v1/completions request that gives none"
@@ -168,6 +171,8 @@ class RouterConfig:
             "completion_default_max_tokens",
             "kv_index_max_entries",
         )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
         for name in positive:

@@ -62,6 +62,11 @@ def test_config_validation_still_runs():
         config_from_args(router_parser().parse_args(["--send-timeout-s=0"]), "m")
 
 
+def test_an_unknown_scheduling_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        RouterConfig(model_path="/m", scheduling_policy="lifo")
+
+
 def test_admission_and_metrics_key_flags():
     argv = ["--max-queued-requests=3", "--max-queued-prompt-tokens=0", "--no-metrics-require-key"]
     cfg = config_from_args(router_parser().parse_args(argv), "m")
