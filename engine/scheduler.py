@@ -295,7 +295,9 @@ class Scheduler:
                 kept.append(seq)
                 continue
             while not self.bm.can_append(seq.block_table, seq.num_computed_tokens + n):
-                victim = self._victim(queue, seq)
+                # The last in the queue: the youngest, or by priority the last in that order
+                # (the queue is sorted, and `seq`, taken from its head, is before every one).
+                victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is seq:
@@ -307,19 +309,6 @@ class Scheduler:
                 budget -= n
         self.running = kept
         return budget
-
-    def _victim(self, queue: list[Sequence], seq: Sequence) -> Sequence:
-        """The running sequence to preempt (taken out of `queue`): the youngest, or by priority
-        the one last in priority order (`seq`, which needs the room, among them)."""
-        if not queue:
-            return seq
-        if not self.by_priority:
-            return queue.pop()
-        last = max(queue, key=_priority)
-        if _priority(seq) > _priority(last):
-            return seq
-        queue.remove(last)
-        return last
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> None:
         if not self.waiting:  # the usual decode step: no set of in-flight blocks to build

@@ -46,9 +46,10 @@ _PARAMS = {
 }
 
 
-# vLLM's sampling fields beyond OpenAI's: the chat route reads them, so a Responses request
-# may set them too (benchmark clients send ignore_eos for fixed answer lengths).
-SAMPLING_EXTRAS = (
+# vLLM's request fields beyond OpenAI's (sampling, cache_salt, priority): the chat route reads
+# them, so a Responses request may set them too (benchmark clients send ignore_eos for fixed
+# answer lengths).
+VLLM_EXTRAS = (
     "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty", "seed", "stop",
     "stop_token_ids", "presence_penalty", "frequency_penalty", "logit_bias",
     "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "priority",
@@ -105,7 +106,7 @@ def chat_body(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict
         if value is not None:
             body[dst] = value
     extra = req.model_extra or {}
-    body.update({name: extra[name] for name in SAMPLING_EXTRAS if name in extra})
+    body.update({name: extra[name] for name in VLLM_EXTRAS if name in extra})
     if req.tools:
         body["tools"] = [t.as_chat() for t in req.tools]
     if req.tool_choice is not None:
@@ -163,7 +164,7 @@ class ResponsesAPI:
             parsed = self.parser.parse_chat(chat_body(req, history + items))
         except APIError as e:
             raise _renamed(e) from None
-        parsed.ignored_fields = [n for n in _ignored(req) if n not in SAMPLING_EXTRAS]
+        parsed.ignored_fields = [n for n in _ignored(req) if n not in VLLM_EXTRAS]
         return ResponsesCall(req, parsed, new_id("resp"), history, items)
 
     def _keep(self, call: ResponsesCall, body: dict[str, Any]) -> None:
