@@ -75,6 +75,7 @@ class ParsedRequest:
     hide_stop_token: bool = False
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:<id>`
     return_token_ids: bool = False  # vLLM's: prompt and answer token ids beside the text
+    request_id: str | None = None  # vLLM's: the answer's id after its prefix (router/responses.py)
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -278,6 +279,7 @@ class RequestParser:
             tool_grammar=auto and structured is not None and req._structured is None,
             tokens_as_ids=bool(req.return_tokens_as_token_ids),
             return_token_ids=bool(req.return_token_ids),
+            request_id=req.request_id,
             ignored_fields=_ignored(req),
         )
 

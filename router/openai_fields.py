@@ -39,7 +39,14 @@ REFUSED = {
     "spaces_between_special_tokens": "only the default (true) is supported",
     "structural_tag": "structural tags are not supported; use a grammar",
     "use_beam_search": "beam search is not supported; use n or best_of",
+    "logits_processors": (
+        "per-request logits processors (code named by the client) are not loaded; vLLM refuses"
+        " them too unless started with --logits-processor-pattern"
+    ),
 }
+# vLLM's `request_id` and the `X-Request-Id` header: the answer's id after its prefix.
+MAX_REQUEST_ID = 256
+REQUEST_ID_PATTERN = r"^[!-~]+$"  # visible ASCII: it is sent back in a header
 # Why a priority other than 0 is refused under the fcfs policy (vLLM's rule too).
 PRIORITY_NEEDS_POLICY = (
     "'priority': only 0 unless the workers run --scheduling-policy priority; this deployment "

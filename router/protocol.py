@@ -53,7 +53,7 @@ from engine.protocol import (
     SEED_RANGE,
     TEMPERATURE_MAX,
 )
-from router.openai_fields import REFUSED
+from router.openai_fields import MAX_REQUEST_ID, REFUSED, REQUEST_ID_PATTERN
 from router.tools import tool_choice_constraint, validate_tools
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -431,7 +431,12 @@ class GenerationRequest(_Open):
     priority: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = flag(
         "vLLM: lower runs first, with --scheduling-policy priority (else only 0)"
     )
+    request_id: (
+        Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID, pattern=REQUEST_ID_PATTERN)]
+        | None
+    ) = flag("vLLM: the answer's id is `<prefix>-<request_id>`; X-Request-Id wins")
     use_beam_search: refused("use_beam_search") = None
+    logits_processors: refused("logits_processors") = None
     # (param, (kind, spec)): the one structured-output constraint, set by _across_fields.
     _structured: tuple[str, tuple[str, str]] | None = PrivateAttr(None)
 

@@ -20,11 +20,30 @@ extension: the `tandem` body field and the `X-Tandem-*` headers.
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+from router.errors import bad_request
 from router.openai_api import ParsedRequest
+from router.openai_fields import MAX_REQUEST_ID, REQUEST_ID_PATTERN
+
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+
+
+def answer_ids(prefix: str, parsed: ParsedRequest, header: str | None) -> tuple[str, str]:
+    """(the answer's id, the id the request runs under). vLLM's rule for the first:
+    `<prefix>-<id>` with the id from an `X-Request-Id` header, else the body's `request_id`,
+    else a fresh one. The second is always fresh: two clients may choose the same id, and the
+    router's queues, the workers' requests and the KV hand-offs are keyed by it."""
+    run_id = f"{prefix}-{uuid.uuid4().hex}"
+    if header is not None and (len(header) > MAX_REQUEST_ID or not _REQUEST_ID.match(header)):
+        message = f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} visible ASCII characters"
+        raise bad_request(message, "X-Request-Id", "invalid_request_id")
+    chosen = header if header is not None else parsed.request_id
+    return (run_id if chosen is None else f"{prefix}-{chosen}"), run_id
 
 
 @dataclass(slots=True, frozen=True)

@@ -30,7 +30,6 @@ import importlib.metadata
 import logging
 import signal
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -411,7 +410,7 @@ class RouterServer:
         body = await self._read_body(request)
         assert self.parser is not None
         parsed = self.parser.parse_completion(body)  # the model validates the bytes
-        return await self._serve(request, parsed, f"cmpl-{uuid.uuid4().hex}")
+        return await self._serve(request, parsed, self._answer_ids("cmpl", parsed, request))
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         if (refusal := self._early_refusal()) is not None:
@@ -419,7 +418,7 @@ class RouterServer:
         body = await self._read_body(request)
         assert self.parser is not None
         parsed = self.parser.parse_chat(body)
-        return await self._serve(request, parsed, f"chatcmpl-{uuid.uuid4().hex}")
+        return await self._serve(request, parsed, self._answer_ids("chatcmpl", parsed, request))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         """/v1/responses: converted to a chat request (router/responses_api.py), served as one."""
@@ -428,7 +427,7 @@ class RouterServer:
         body = await self._read_body(request)
         assert self.responses_api is not None
         call = self.responses_api.parse(body)
-        return await self._serve(request, call.parsed, call.rid, call)
+        return await self._serve(request, call.parsed, (call.rid, call.rid), call)
 
     async def _responses_input_tokens(self, request: web.Request) -> web.Response:
         """POST /v1/responses/input_tokens: the prompt tokens a /v1/responses body would run
@@ -481,24 +480,28 @@ class RouterServer:
         if self._active == 0:
             self._idle.set()
 
+    @staticmethod
+    def _answer_ids(prefix: str, parsed: ParsedRequest, request: web.Request) -> tuple[str, str]:
+        return responses.answer_ids(prefix, parsed, request.headers.get("X-Request-Id"))
+
     async def _serve(
         self,
         request: web.Request,
         parsed: ParsedRequest,
-        rid: str,
+        ids: tuple[str, str],  # (the answer's id, the id it runs under): responses.answer_ids
         responses_call: ResponsesCall | None = None,
     ) -> web.StreamResponse:
         assert self._generation_context is not None
         arrival = time.monotonic()
         self.signals.note_arrival([len(p) for p in parsed.prompts])
         try:
-            ticket = self._admit(parsed, rid)
+            ticket = self._admit(parsed, ids[1])
         except APIError as e:
             return self._refuse(e)
         self._enter()
         status = "cancelled"
         try:
-            run = RequestRun(self._generation_context, parsed, rid, arrival)
+            run = RequestRun(self._generation_context, parsed, ids, arrival)
             run.set_first_token_callback(ticket.started)
             if responses_call is not None:
                 assert self.responses_api is not None

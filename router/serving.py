@@ -23,15 +23,19 @@ _END = object()
 
 
 class RequestRun:
-    def __init__(self, ctx: GenerationContext, parsed: ParsedRequest, rid: str, arrival: float):
+    def __init__(
+        self, ctx: GenerationContext, parsed: ParsedRequest, ids: tuple[str, str], arrival: float
+    ):
+        """`ids`: the answer's id (`rid`, in every body and chunk) and the one the request runs
+        under (unique, the engine requests' ids: router/responses.py `answer_ids`)."""
         self.parsed = parsed
-        self.rid = rid
+        self.rid, run_id = ids
         self.text_of = TokenText(ctx.tokenizer, parsed.tokens_as_ids)
         self.tokenizer = ctx.tokenizer
         many = len(parsed.prompts) > 1
         self.generations = [
-            Generation(ctx, _for_prompt(parsed, ids), f"{rid}-{i}" if many else rid, arrival)
-            for i, ids in enumerate(parsed.prompts)
+            Generation(ctx, _for_prompt(parsed, p), f"{run_id}-{i}" if many else run_id, arrival)
+            for i, p in enumerate(parsed.prompts)
         ]
 
     def set_first_token_callback(self, callback: Callable[[], None]) -> None:
