@@ -110,16 +110,51 @@ def generation_defaults(model: str | Path) -> dict:
     return {k: config[k] for k in GENERATION_DEFAULT_FIELDS if config.get(k) is not None}
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template rule: the file `value` names, else `value` itself when it reads
+    as a Jinja template; anything else is a mistyped path, refused rather than served as text."""
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:  # a template longer than a file name may be is no path
+        pass
+    if any(mark in value for mark in ("{{", "{%", "\n")):
+        return value
+    raise ValueError(f"chat template {value!r}: no such file, and not a Jinja template")
+
+
+def _with_chat_template(tok: Any, template: str) -> Any:
+    """`tok` answering chats with `template`, which must at least parse (a template that raises
+    for some conversations, as many do on purpose, is the template's own rule)."""
+    from jinja2 import TemplateSyntaxError
+
+    tok.chat_template = template
+    try:
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"chat template: line {e.lineno}: {e.message}") from e
+    except Exception:  # noqa: BLE001 - rendering rules of the template itself
+        pass
+    return tok
+
+
 def read_model_info(
-    model: str | Path, max_model_len: int | None = None, tokenizer: str | Path | None = None
+    model: str | Path,
+    max_model_len: int | None = None,
+    tokenizer: str | Path | None = None,
+    chat_template: str | None = None,
 ) -> ModelInfo:
-    """Tokenizer (the model's own, or `tokenizer`: another directory or GGUF file), context
-    window (capped by `max_model_len`), vocabulary size, EOS ids and sampling defaults of the
-    model directory. The tokenizer is required, and must not name ids the model lacks."""
+    """Tokenizer (the model's own, or `tokenizer`: another directory or GGUF file; with
+    `chat_template`, a template's text, answering chats with it), context window (capped by
+    `max_model_len`), vocabulary size, EOS ids and sampling defaults of the model directory.
+    The tokenizer is required, and must not name ids the model lacks."""
     source = tokenizer or model
     if tokenizer is not None and not has_tokenizer(tokenizer):
         raise ValueError(f"tokenizer {str(tokenizer)!r}: no {' or '.join(_TOKENIZER_FILES)}")
     tok = load_tokenizer(source, required=True)
+    if chat_template is not None:
+        tok = _with_chat_template(tok, chat_template)
     hf_config = load_hf_config(model)
     window = context_window(hf_config, max_model_len, model)
     vocab = getattr(hf_config, "vocab_size", None) or len(tok)

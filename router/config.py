@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
+from engine.model_info import load_chat_template
 from engine.protocol import SCHEDULING_POLICIES
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
@@ -37,6 +38,11 @@ class RouterConfig:
     )
     tokenizer: str | None = setting(
         None, "tokenizer directory or GGUF file (default: the model's own)"
+    )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template, or a file holding one, in place of the tokenizer's (checked at "
+        "start-up; read into this setting, so the router needs no copy of the file)",
     )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
@@ -152,6 +158,8 @@ class RouterConfig:
             self.advertise_host = self.bind_host
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
+        if self.chat_template is not None:
+            self.chat_template = load_chat_template(self.chat_template)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         self._check_limits()

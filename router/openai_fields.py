@@ -39,6 +39,10 @@ REFUSED = {
     "spaces_between_special_tokens": "only the default (true) is supported",
     "structural_tag": "structural tags are not supported; use a grammar",
     "use_beam_search": "beam search is not supported; use n or best_of",
+    "chat_template": (
+        "a request's own chat template would run the client's Jinja in the router (vLLM refuses"
+        " it too unless told to trust request templates); the server's --chat-template applies"
+    ),
     "logits_processors": (
         "per-request logits processors (code named by the client) are not loaded; vLLM refuses"
         " them too unless started with --logits-processor-pattern"

@@ -531,6 +531,7 @@ class ChatCompletionRequest(GenerationRequest):
         Field(None, examples=[{}, {"enable_thinking": False}])
     )
     documents: list[dict[str, str]] | None = flag("vLLM: passed to the chat template (RAG)")
+    chat_template: refused("chat_template") = None
     functions: refused("functions") = None
     function_call: refused("function_call") = None
     # The tools as plain dicts for the template, and the choice ("auto" when tools come alone).

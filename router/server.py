@@ -74,7 +74,9 @@ def tandem_version() -> str:
 def load_model_info(config: RouterConfig) -> ModelInfo:
     """Tokenizer, context window, vocabulary size, EOS ids and sampling defaults of the
     served model (local HF dir), read as the engine reads them (engine/model_info.py)."""
-    return read_model_info(config.model_path, config.max_model_len, config.tokenizer)
+    return read_model_info(
+        config.model_path, config.max_model_len, config.tokenizer, config.chat_template
+    )
 
 
 def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
