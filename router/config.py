@@ -17,6 +17,7 @@ from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
 from engine.model_info import load_chat_template
 from engine.protocol import SCHEDULING_POLICIES
+from router.tools import TOOL_FORMATS
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
 ROUTING_POLICIES = ("kv-events", "affinity")
@@ -43,6 +44,12 @@ class RouterConfig:
         None,
         "a Jinja chat template, or a file holding one, in place of the tokenizer's (checked at "
         "start-up; read into this setting, so the router needs no copy of the file)",
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "the format of the model's tool calls, for `auto` tool choice (vLLM's flag); default: "
+        "the one the chat template shows, or none (tools are then described in a system message)",
+        choices=TOOL_FORMATS,
     )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
@@ -158,6 +165,8 @@ class RouterConfig:
             self.advertise_host = self.bind_host
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
+        if self.tool_call_parser not in (None, *TOOL_FORMATS):
+            raise ValueError(f"tool_call_parser must be one of {TOOL_FORMATS}")
         if self.chat_template is not None:
             self.chat_template = load_chat_template(self.chat_template)
         if self.max_model_len is not None and self.max_model_len < 2:

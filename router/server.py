@@ -89,7 +89,7 @@ def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
         config.completion_default_max_tokens,
         generation_defaults=info.generation_defaults,
         check_structured=RouterServer._structured_checker(info),
-        tool_format=detect_tool_format(getattr(info.tokenizer, "chat_template", None)),
+        tool_format=config.tool_call_parser or detect_tool_format(info.chat_template),
         model_aliases=(config.model_path,),
         scheduling_policy=config.scheduling_policy,
     )

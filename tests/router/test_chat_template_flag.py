@@ -1,7 +1,8 @@
 """vLLM's `--chat-template`: a template's text or a file holding one answers chats in place of the
 tokenizer's, a base model without a template included (through the real router: /tokenize and a
 chat completion); a mistyped path and a template that does not parse stop start-up with the
-reason; a request's own `chat_template` is a 400, as in vLLM without trusted request templates."""
+reason; a request's own `chat_template` is a 400, as in vLLM without trusted request templates.
+vLLM's `--tool-call-parser` reads calls in the format it names, whatever the template shows."""
 
 from __future__ import annotations
 
@@ -73,3 +74,32 @@ def test_a_requests_own_template_is_refused(make_router):
     body = {"messages": MESSAGES, "chat_template": TEMPLATE, "max_tokens": 2}
     answer = requests.post(h.base_url + "/v1/chat/completions", json=body, timeout=20)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "chat_template"
+
+
+CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"  # shows no tool format
+
+
+@pytest.mark.parametrize("parser", [None, "llama3_json"])
+def test_tool_call_parser_reads_the_calls_the_template_does_not_show(
+    make_router, model_dir, parser
+):
+    """vLLM's `--tool-call-parser`: the fake worker echoes the prompt, so the answer is the
+    user's text, a Llama-3 JSON call. Forced, it is parsed as a call; detected from this
+    template (no format), the tools go to a system message and the answer stays text."""
+    info = load_model_info(RouterConfig(model_path=model_dir, chat_template=PLAIN))
+    h = make_router(info=info, tool_call_parser=parser)
+    prompt = info.tokenizer(CALL, add_special_tokens=False)["input_ids"]
+    answer = h.openai().chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": CALL}], tools=TOOLS,
+        max_tokens=len(prompt),
+    )  # fmt: skip
+    message = answer.choices[0].message
+    if parser is None:
+        assert message.tool_calls is None and message.content
+        return
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
