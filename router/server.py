@@ -533,6 +533,7 @@ class RouterServer:
     async def _respond_json(self, run: RequestRun) -> web.Response:
         body = await run.answer_body(int(time.time()))
         headers = {
+            "X-Request-Id": run.rid,
             **responses.placement_headers(run.placement),
             **responses.ignored_headers(run.parsed),
         }

@@ -48,6 +48,10 @@ def test_the_header_wins_over_the_body(client, model_name):
         extra_headers={"X-Request-Id": "from-the-gateway"},
     )  # fmt: skip
     assert answer.id == "cmpl-from-the-gateway"
+    raw = client.chat.completions.with_raw_response.create(
+        model=model_name, messages=USER, max_tokens=2, extra_body={"request_id": "whole"}
+    )
+    assert raw.headers["X-Request-Id"] == raw.parse().id == "chatcmpl-whole"
 
 
 def test_requests_choosing_one_id_run_apart(client, model_name, reference):
