@@ -17,6 +17,7 @@ from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
 from engine.model_info import load_chat_template
 from engine.protocol import SCHEDULING_POLICIES
+from router.cors import parse_origins
 from router.tools import TOOL_FORMATS
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
@@ -50,6 +51,11 @@ class RouterConfig:
         "the format of the model's tool calls, for `auto` tool choice (vLLM's flag); default: "
         "the one the chat template shows, or none (tools are then described in a system message)",
         choices=TOOL_FORMATS,
+    )
+    allowed_origins: str = setting(
+        "*",
+        "web origins whose pages may call the API from a browser (CORS): '*' (vLLM's default), "
+        "comma-separated scheme://host[:port], or '' for none",
     )
     host: str = setting("127.0.0.1", "HTTP listen address")
     port: int = setting(8000, "HTTP port (0: any free port)")
@@ -165,6 +171,7 @@ class RouterConfig:
             self.advertise_host = self.bind_host
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
+        parse_origins(self.allowed_origins)
         if self.tool_call_parser not in (None, *TOOL_FORMATS):
             raise ValueError(f"tool_call_parser must be one of {TOOL_FORMATS}")
         if self.chat_template is not None:

@@ -41,6 +41,7 @@ from engine.roles import DECODING_ROLES
 from router import responses
 from router.admission import AdmissionControl, Ticket
 from router.config import RouterConfig
+from router.cors import install_cors
 from router.dataplane import DataPlane
 from router.directory import WorkerDirectory
 from router.errors import UNAVAILABLE_RETRY_AFTER_S, APIError
@@ -193,6 +194,7 @@ class RouterServer:
             client_max_size=self.config.max_body_bytes,
             middlewares=[self._error_middleware, self._auth_middleware],
         )
+        install_cors(app, self.config.allowed_origins)
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
         app.router.add_get("/v1/models", self._models)
