@@ -18,6 +18,7 @@ from engine.gguf_file import is_gguf, served_name
 from engine.model_info import load_chat_template
 from engine.protocol import SCHEDULING_POLICIES
 from router.cors import parse_origins
+from router.reasoning import REASONING_PARSERS
 from router.tools import TOOL_FORMATS
 
 _WILDCARD_HOSTS = ("0.0.0.0", "*", "::")
@@ -51,6 +52,12 @@ class RouterConfig:
         "the format of the model's tool calls, for `auto` tool choice (vLLM's flag); default: "
         "the one the chat template shows, or none (tools are then described in a system message)",
         choices=TOOL_FORMATS,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split a reasoning model's <think>...</think> from its chat answers into `reasoning` "
+        "(vLLM's flag): deepseek_r1 (thinks from the first token) or qwen3",
+        choices=REASONING_PARSERS,
     )
     allowed_origins: str = setting(
         "*",
@@ -172,6 +179,8 @@ class RouterConfig:
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be None (no auth) or a non-empty string")
         parse_origins(self.allowed_origins)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}")
         if self.tool_call_parser not in (None, *TOOL_FORMATS):
             raise ValueError(f"tool_call_parser must be one of {TOOL_FORMATS}")
         if self.chat_template is not None:

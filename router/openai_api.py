@@ -38,6 +38,8 @@ from router.completion_protocol import CompletionRequest
 from router.errors import APIError, api_error, bad_request
 from router.openai_fields import ACCEPTED
 from router.protocol import ChatCompletionRequest, Limits
+from router.reasoning import check_tokenizer as check_reasoning_tokenizer
+from router.reasoning import initial_mode
 from router.tools import MISTRAL_CALLS, auto_tools_grammar, with_mistral_call_ids
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class ParsedRequest:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs say `token_id:<id>`
     return_token_ids: bool = False  # vLLM's: prompt and answer token ids beside the text
     request_id: str | None = None  # vLLM's: the answer's id after its prefix (router/responses.py)
+    # Where a reasoning model's answer starts (router/reasoning.py); None: no thinking split.
+    reasoning_mode: str | None = None
     ignored_fields: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -166,8 +170,12 @@ class RequestParser:
         tool_format: str | None = None,
         model_aliases: tuple[str, ...] = (),
         scheduling_policy: str = "fcfs",
+        reasoning_parser: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        if reasoning_parser is not None:
+            check_reasoning_tokenizer(tokenizer, reasoning_parser)
+        self.reasoning_parser = reasoning_parser
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -223,6 +231,11 @@ class RequestParser:
             parsed.extra["echo_text"] = req.messages[-1].text()
         if req.documents and "documents" not in str(self.tokenizer.chat_template):
             parsed.ignored_fields.append("documents")  # this model's template never reads them
+        if self.reasoning_parser is not None and parsed.sampling.structured is None:
+            # A constrained answer follows its grammar from the first token: no thinking.
+            thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+            tail = self.tokenizer.decode(prompt_ids[-8:])
+            parsed.reasoning_mode = initial_mode(self.reasoning_parser, tail, thinking)
         return parsed
 
     def chat_prompt_ids(self, body: dict) -> list[int]:

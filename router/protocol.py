@@ -230,6 +230,9 @@ class ChatMessage(StrictModel):
     audio: AudioRef | None = Field(None, description="an assistant's audio sent back: not used")
     annotations: list[dict[str, Any]] | None = Field(None, description="accepted, not used")
     function_call: CalledFunction | None = Field(None, description="legacy tool call: used")
+    # A reasoning model's thinking sent back (vLLM's name, and DeepSeek's): to the template.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -242,6 +245,9 @@ class ChatMessage(StrictModel):
         for name in ("name", "tool_call_id"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
+        thinking = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if thinking is not None:  # templates read either name (Qwen3's: reasoning_content)
+            out["reasoning"] = out["reasoning_content"] = thinking
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump(exclude_unset=True) for c in self.tool_calls]
         elif self.role == "assistant" and self.function_call is not None:  # pre-tools shape

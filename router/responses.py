@@ -121,15 +121,19 @@ def chunk(
     tool_calls: list | None = None,
     token_ids: list[int] | None = None,
     prompt_token_ids: list[int] | None = None,
+    reasoning: str = "",
 ) -> dict[str, Any]:
-    """One streamed piece of choice `index`; `first` (chat) announces the assistant role.
+    """One streamed piece of choice `index`; `first` (chat) announces the assistant role;
+    `reasoning` (chat): a reasoning model's thinking, under both names clients read.
     `token_ids` / `prompt_token_ids` (vLLM's return_token_ids): the piece's tokens; the prompt's
     on a chat role chunk, or on a completions choice's first chunk."""
     if parsed.kind == "chat":
         delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
-        if text is not None:
+        if reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if text is not None and (text or not reasoning):
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
@@ -309,11 +313,21 @@ def best_of(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
     return ranked
 
 
-def tool_message(parsed: ParsedRequest, text: str) -> tuple[dict[str, Any], bool]:
-    """The chat message for `text` under the request's tools: (message, has tool calls)."""
+def tool_message(
+    parsed: ParsedRequest, text: str | None, reasoning: str | None = None
+) -> tuple[dict[str, Any], bool]:
+    """The chat message for `text` under the request's tools: (message, has tool calls).
+    `reasoning`: a reasoning model's thinking (None: none, or no split), under both names."""
+    message, called = _answer_message(parsed, text)
+    if reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    return message, called
+
+
+def _answer_message(parsed: ParsedRequest, text: str | None) -> tuple[dict[str, Any], bool]:
     from router.tools import opens_call, parse_tool_calls
 
-    if parsed.tool_choice in (None, "none") or not parsed.tools:
+    if parsed.tool_choice in (None, "none") or not parsed.tools or text is None:
         return {"role": "assistant", "content": text}, False
     if (
         parsed.tool_choice == "auto"

@@ -165,6 +165,7 @@ class ResponsesAPI:
         except APIError as e:
             raise _renamed(e) from None
         parsed.ignored_fields = [n for n in _ignored(req) if n not in VLLM_EXTRAS]
+        parsed.reasoning_mode = None  # (thinking stays in the output text here)
         return ResponsesCall(req, parsed, new_id("resp"), history, items)
 
     def _keep(self, call: ResponsesCall, body: dict[str, Any]) -> None:

@@ -93,6 +93,7 @@ def request_parser(config: RouterConfig, info: ModelInfo) -> RequestParser:
         tool_format=config.tool_call_parser or detect_tool_format(info.chat_template),
         model_aliases=(config.model_path,),
         scheduling_policy=config.scheduling_policy,
+        reasoning_parser=config.reasoning_parser,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 from router import responses
 from router.generation import Generation, GenerationContext, Piece
 from router.openai_api import ParsedRequest
+from router.reasoning import ReasoningSplit, split_whole
 from router.responses import ChoiceResult, TokenText
 
 _END = object()
@@ -89,7 +90,10 @@ class RequestRun:
         parsed = self.parsed
         if parsed.kind == "chat":
             text = parsed.extra.get("echo_text", "") + r.text
-            message, called = responses.tool_message(parsed, text)
+            reasoning = None
+            if parsed.reasoning_mode is not None:
+                reasoning, text = split_whole(parsed.reasoning_mode, text)
+            message, called = responses.tool_message(parsed, text, reasoning)
             logprobs = None
             if parsed.logprobs is not None:
                 logprobs = responses.chat_logprobs(self.text_of, r.token_ids, r.entries)
@@ -210,6 +214,7 @@ class StreamWriter:
         self.tool_parsers: dict[int, Any] = {}
         self.forced: dict[int, Any] = {}  # forced tool calls: a ForcedCallParser per choice
         self.called: set[int] = set()  # choices that returned tool calls
+        self.thinking: dict[int, ReasoningSplit] = {}  # a reasoning model's, per choice
         parsed = run.parsed
         # No echo, logprobs or tools: a piece's chunk is its text and finish reason alone.
         self._plain = not (
@@ -220,6 +225,7 @@ class StreamWriter:
             or (parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"))
             or parsed.continuous_usage
             or parsed.return_token_ids
+            or parsed.reasoning_mode is not None
         )
         self.generated: dict[int, int] = {}  # choice index -> tokens so far (continuous usage)
         self.text_events = responses.TextEvents(parsed, run.rid, created)
@@ -280,6 +286,9 @@ class StreamWriter:
             self.generated[index] = self.generated.get(index, 0) + piece.num_tokens
         first = index not in self.started
         text, logprobs = self._text_and_logprobs(p, index, piece)
+        reasoning = ""
+        if parsed.reasoning_mode is not None:
+            reasoning, text = self._split(index, text, piece.finish_reason)
         tool_calls = None
         if parsed.kind == "chat" and parsed.tools and parsed.tool_choice not in (None, "none"):
             text, tool_calls = self._tools(index, text, piece.finish_reason)
@@ -289,7 +298,7 @@ class StreamWriter:
         if index in self.called and finish == "stop":
             finish = "tool_calls"
         ids = ([] if parsed.echo_only else piece.token_ids) if parsed.return_token_ids else None
-        if not text and finish is None and not tool_calls and not logprobs and not ids:
+        if not (text or reasoning) and finish is None and not (tool_calls or logprobs or ids):
             return []  # (a token held back, say by a stop string, still shows its id)
         prompt_ids = None
         if parsed.return_token_ids and parsed.kind != "chat" and first:
@@ -305,8 +314,20 @@ class StreamWriter:
             tool_calls=tool_calls,
             token_ids=ids,
             prompt_token_ids=prompt_ids,
+            reasoning=reasoning,
         )
         return [self._usage_of(chunk, index)]
+
+    def _split(self, index: int, text: str, finish: str | None) -> tuple[str, str]:
+        """(thinking, answer) of a piece of a reasoning model's answer (router/reasoning.py)."""
+        mode = self.run.parsed.reasoning_mode
+        assert mode is not None
+        split = self.thinking.setdefault(index, ReasoningSplit(mode))
+        reasoning, content = split.feed(text)
+        if finish is not None:
+            more_reasoning, more_content = split.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _text_and_logprobs(self, p: int, index: int, piece: Piece) -> tuple[str, dict | None]:
         run, parsed = self.run, self.run.parsed
