@@ -38,8 +38,7 @@ from router.completion_protocol import CompletionRequest
 from router.errors import APIError, api_error, bad_request
 from router.openai_fields import ACCEPTED
 from router.protocol import ChatCompletionRequest, Limits
-from router.reasoning import check_tokenizer as check_reasoning_tokenizer
-from router.reasoning import initial_mode
+from router.reasoning import initial_mode, think_token_ids
 from router.tools import MISTRAL_CALLS, auto_tools_grammar, with_mistral_call_ids
 
 log = logging.getLogger(__name__)
@@ -173,9 +172,10 @@ class RequestParser:
         reasoning_parser: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        if reasoning_parser is not None:
-            check_reasoning_tokenizer(tokenizer, reasoning_parser)
         self.reasoning_parser = reasoning_parser
+        self.think_ids = (None, None)  # the <think> and </think> tokens (auto tools' grammar)
+        if reasoning_parser is not None:
+            self.think_ids = think_token_ids(tokenizer, reasoning_parser)
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -226,17 +226,25 @@ class RequestParser:
         names = ("max_completion_tokens", "max_tokens")
         max_tokens = self._max_tokens(req, names, len(prompt_ids), None)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        parsed = self._build("chat", req, [prompt_ids], max_tokens, logprobs)
+        thinking = self._thinking(req, prompt_ids)
+        parsed = self._build("chat", req, [prompt_ids], max_tokens, logprobs, thinking=thinking)
         if req.echo and req.messages[-1].role == "assistant":
             parsed.extra["echo_text"] = req.messages[-1].text()
         if req.documents and "documents" not in str(self.tokenizer.chat_template):
             parsed.ignored_fields.append("documents")  # this model's template never reads them
-        if self.reasoning_parser is not None and parsed.sampling.structured is None:
-            # A constrained answer follows its grammar from the first token: no thinking.
-            thinking = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
-            tail = self.tokenizer.decode(prompt_ids[-8:])
-            parsed.reasoning_mode = initial_mode(self.reasoning_parser, tail, thinking)
+        if parsed.sampling.structured is None or parsed.tool_grammar:
+            # Other constraints hold from the first token: no thinking (auto tools' grammar
+            # lets the model think first).
+            parsed.reasoning_mode = thinking
         return parsed
+
+    def _thinking(self, req: ChatCompletionRequest, prompt_ids: list[int]) -> str | None:
+        """Where a reasoning model's answer to `prompt_ids` starts (router/reasoning.py)."""
+        if self.reasoning_parser is None:
+            return None
+        enabled = (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False
+        tail = self.tokenizer.decode(prompt_ids[-8:])
+        return initial_mode(self.reasoning_parser, tail, enabled)
 
     def chat_prompt_ids(self, body: dict) -> list[int]:
         """The prompt a chat body renders to (for /tokenize)."""
@@ -252,12 +260,14 @@ class RequestParser:
         max_tokens: int,
         logprobs: int | None,
         engine: dict[str, Any] | None = None,
+        thinking: str | None = None,
     ) -> ParsedRequest:
-        """`engine`: SamplingParams fields where the engine runs other than the answer shows."""
+        """`engine`: SamplingParams fields where the engine runs other than the answer shows;
+        `thinking`: where a reasoning model's answer starts (its auto tools' grammar)."""
         tools = getattr(req, "_tools", None)
         choice = getattr(req, "_tool_choice", None)
         auto = bool(tools) and choice == "auto"
-        structured = self._structured(req, auto)
+        structured = self._structured(req, auto, thinking)
         see_marker = auto and self.tool_format == "mistral" and self.marker_special
         sampling = SamplingParams(
             max_tokens=max_tokens,
@@ -296,14 +306,18 @@ class RequestParser:
             ignored_fields=_ignored(req),
         )
 
-    def _structured(self, req: Any, auto_tools: bool) -> tuple[str, str] | None:
+    def _structured(
+        self, req: Any, auto_tools: bool, thinking: str | None = None
+    ) -> tuple[str, str] | None:
         if req._structured is not None:
             param, spec = req._structured
         elif auto_tools:
             # Text, or only calls the parser reads (router/tools.py auto_tools_grammar).
             parallel = getattr(req, "parallel_tool_calls", None) is not False
             fmt = self.tool_format or generic_tools.FORMAT
-            grammar = auto_tools_grammar(req._tools, fmt, parallel, self.marker_token)
+            grammar = auto_tools_grammar(
+                req._tools, fmt, parallel, self.marker_token, thinking, self.think_ids
+            )
             param, spec = "tools", ("grammar", grammar)
         else:
             return None

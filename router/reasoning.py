@@ -11,9 +11,12 @@ Where the thinking starts is read from the prompt the chat template wrote and th
 - `qwen3` otherwise: the model opens `<think>` itself (Qwen3's first templates) or answers
   without thinking; `enable_thinking: false` means content.
 A `<think>` the model writes at the start is dropped; the first `</think>` ends the thinking
-(an answer cut before it is all thinking, as in vLLM). `ReasoningSplit` is fed the answer
-piece by piece and holds back a piece's end that could begin a marker, so no delta ever
-carries half of one.
+(an answer cut before it is all thinking, as in vLLM), and the blank lines the model writes
+after it are not part of the answer (so a tool call right after thinking opens the content).
+`ReasoningSplit` is fed the answer piece by piece and holds back a piece's end that could
+begin a marker, so no delta ever carries half of one. With `tool_choice: auto`, the tools'
+grammar lets the model think first (router/tools.py `auto_tools_grammar`); other constraints
+hold from the first token, so those answers are not split.
 """
 
 from __future__ import annotations
@@ -25,15 +28,17 @@ OPEN, CLOSE = "<think>", "</think>"
 THINKING, CONTENT, UNDECIDED = "thinking", "content", "undecided"
 
 
-def check_tokenizer(tokenizer: Any, parser: str) -> None:
-    """ValueError unless the tokenizer writes `</think>` as one token of its own (a model that
-    was never taught the markers would have its answers read as thinking)."""
-    ids = tokenizer.encode(CLOSE, add_special_tokens=False)
-    if len(ids) != 1:
+def think_token_ids(tokenizer: Any, parser: str) -> tuple[int | None, int]:
+    """The ids of the `<think>` token (None when the tokenizer has none) and the `</think>`
+    token; ValueError without the latter (a model never taught the markers would have its
+    answers read as thinking)."""
+    ids = [tokenizer.encode(m, add_special_tokens=False) for m in (OPEN, CLOSE)]
+    if len(ids[1]) != 1:
         raise ValueError(
             f"reasoning parser {parser!r}: the tokenizer has no {CLOSE} token (it splits it "
-            f"into {len(ids)}), so this model does not think in {OPEN}...{CLOSE} blocks"
+            f"into {len(ids[1])}), so this model does not think in {OPEN}...{CLOSE} blocks"
         )
+    return (ids[0][0] if len(ids[0]) == 1 else None), ids[1][0]
 
 
 def initial_mode(parser: str, prompt_text: str, thinking_enabled: bool) -> str:
@@ -61,6 +66,7 @@ class ReasoningSplit:
     def __init__(self, mode: str) -> None:
         self.mode = mode
         self.at_start = True  # a <think> the model writes first is dropped
+        self.after_close = False  # white space right after </think> is dropped
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -68,6 +74,9 @@ class ReasoningSplit:
         reasoning, content = [], []
         while buf:
             if self.mode == CONTENT:
+                if self.after_close:
+                    buf = buf.lstrip()
+                    self.after_close = not buf
                 content.append(buf)
                 break
             if self.at_start:
@@ -85,7 +94,7 @@ class ReasoningSplit:
             end = buf.find(CLOSE)
             if end >= 0:
                 reasoning.append(buf[:end])
-                buf, self.mode = buf[end + len(CLOSE) :], CONTENT
+                buf, self.mode, self.after_close = buf[end + len(CLOSE) :], CONTENT, True
                 continue
             keep = _partial_marker(buf, CLOSE)
             reasoning.append(buf[: len(buf) - keep])

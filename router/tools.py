@@ -177,7 +177,12 @@ def _call_schema(tools: list, args_key: str, schema: dict, where: str | None) ->
 
 
 def auto_tools_grammar(
-    tools: list, fmt: str, parallel: bool = True, marker_token: int | None = None
+    tools: list,
+    fmt: str,
+    parallel: bool = True,
+    marker_token: int | None = None,
+    thinking: str | None = None,
+    think_ids: tuple[int | None, int | None] = (None, None),
 ) -> str:
     """The Lark grammar (llguidance) of a `tool_choice: "auto"` answer in format `fmt`: either
     text that never opens a call, or only calls, each naming a tool with arguments valid for
@@ -188,7 +193,11 @@ def auto_tools_grammar(
     contains `<tool_call>`. llama3_json: {"name", "parameters"} objects joined by "; " (what
     `_parse_llama3` reads); the text does not begin with "{" (there, a call would). mistral:
     `[TOOL_CALLS] [` calls joined by ", " `]`, the marker the tokenizer's own token
-    (`marker_token`, so the model writes the one token it was trained on) or else the text."""
+    (`marker_token`, so the model writes the one token it was trained on) or else the text.
+
+    `thinking` (a reasoning model's, router/reasoning.py): the answer first thinks, text up to
+    the `</think>` token (`think_ids`: the `<think>` and `</think>` token ids) and the blank
+    lines after it; "undecided" (the model opens `<think>` itself) makes that optional."""
     if fmt not in TOOL_FORMATS:
         raise ValueError(f"no auto tool grammar for format {fmt!r}")
     from engine.structured.specs import JSON_OPTIONS
@@ -200,7 +209,7 @@ def auto_tools_grammar(
     schema = json.dumps(_call_schema(tools, args_key, layout, None))
     sep = {"hermes": "\\n", "llama3_json": "; ", "mistral": ", "}[fmt]
     rules = [
-        "start: TEXT | calls",
+        "answer: TEXT | calls",
         f'call_list: call ("{sep}" call)*' if parallel else "call_list: call",
     ]
     if fmt == "mistral":
@@ -209,7 +218,7 @@ def auto_tools_grammar(
         rules.append("call: body")
         rules.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*{re.escape(MISTRAL_CALLS)}.*)/")
         rules.append(f"body: %json {schema}")
-        return "\n".join(rules)
+        return _with_thinking(rules, thinking, think_ids)
     rules.append("calls: call_list")
     if hermes:
         rules.append(f'call: "{HERMES_OPEN}\\n" body "\\n{HERMES_CLOSE}"')
@@ -218,7 +227,31 @@ def auto_tools_grammar(
         rules.append("call: body")
         rules.append("TEXT: /(?s:.*)/ & ~/(?s:[ \\t\\r\\n]*\\{.*)/")
     rules.append(f"body: %json {schema}")
-    return "\n".join(rules)
+    return _with_thinking(rules, thinking, think_ids)
+
+
+# After a reasoning model's thinking, the answer's text starts at its first visible character
+# (the blank lines are GAP's): one lexeme holds them, so the lexer needs no look back to see
+# a call's opener follow them.
+_NO_LEADING_SPACE = r" & /(?s:([^ \t\r\n].*)?)/"
+
+
+def _with_thinking(
+    rules: list[str], thinking: str | None, think_ids: tuple[int | None, int | None]
+) -> str:
+    """`rules` (whose `answer` is an auto answer) after a reasoning model's thinking: text up
+    to the `</think>` token (llguidance sees the markers as tokens of their own, `<[id]>`)."""
+    if thinking in (None, "content"):
+        return "\n".join(["start: answer", *rules])
+    open_id, close_id = think_ids
+    if close_id is None:
+        raise ValueError("a thinking answer's grammar needs the </think> token")
+    rules = [r + _NO_LEADING_SPACE if r.startswith("TEXT:") else r for r in rules]
+    thought = [f"thought: THOUGHT? <[{close_id}]> GAP?", "THOUGHT: /(?s:.+)/", r"GAP: /[ \t\r\n]+/"]
+    if thinking == "thinking":
+        return "\n".join(["start: thought answer", *thought, *rules])
+    opener = f"<[{open_id}]>" if open_id is not None else '"<think>"'
+    return "\n".join([f"start: {opener} thought answer | answer", *thought, *rules])
 
 
 def opens_call(text: str, fmt: str | None) -> bool:

@@ -14,7 +14,15 @@ import requests
 from router_fakes import FakeWorker
 
 from router.config import RouterConfig
-from router.reasoning import CONTENT, THINKING, UNDECIDED, ReasoningSplit, initial_mode, split_whole
+from router.reasoning import (
+    CONTENT,
+    THINKING,
+    UNDECIDED,
+    ReasoningSplit,
+    initial_mode,
+    split_whole,
+    think_token_ids,
+)
 from router.server import load_model_info, request_parser
 
 PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
@@ -47,7 +55,7 @@ def test_any_chunking_splits_as_the_whole_answer(mode):
         for step in (1, 2, 3, 5, 8):
             reasoning, content = _fed(mode, text, step)
             assert (reasoning or None, content or None) == whole, (text, step)
-    assert split_whole(THINKING, TEXTS[0]) == ("\nlet me see", "\n\nThe answer is 4.")
+    assert split_whole(THINKING, TEXTS[0]) == ("\nlet me see", "The answer is 4.")  # no blank lines
     assert split_whole(UNDECIDED, "plain answer") == (None, "plain answer")
     assert split_whole(THINKING, "cut short") == ("cut short", None)  # as vLLM: all thinking
 
@@ -153,3 +161,60 @@ def test_a_tokenizer_without_the_markers_is_refused(model_dir):
     config = RouterConfig(model_path=model_dir, reasoning_parser="qwen3")
     with pytest.raises(ValueError, match="no </think> token"):
         request_parser(config, load_model_info(config))
+
+
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}  # fmt: skip
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+def _accepts(compiled, tokenizer, text: str) -> bool:
+    matcher = compiled.matcher()
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.accept_tokens(ids) and matcher.accept(next(iter(compiled.eos_token_ids)))
+
+
+@pytest.mark.parametrize("mode", [THINKING, UNDECIDED])
+def test_auto_tools_grammar_lets_the_model_think_first(thinking_model, mode):
+    from engine.structured.compiler import GrammarCompiler
+    from router.tools import auto_tools_grammar
+
+    info = load_model_info(RouterConfig(model_path=thinking_model))
+    tok = info.tokenizer
+    ids = think_token_ids(tok, "qwen3")
+    compiled = GrammarCompiler(tok, len(tok), info.eos_token_ids).compile(
+        "grammar", auto_tools_grammar([TOOL], "hermes", thinking=mode, think_ids=ids)
+    )
+    opened = "<think>" if mode == UNDECIDED else ""
+    for good in (f"{opened}plan it</think>\n\n{CALL}", f"{opened}plan</think>It is noon."):
+        assert _accepts(compiled, tok, good), good
+    bad = [f"{opened}plan</think>Sure. {CALL}", f"{opened}a</think>b</think>c"]
+    if mode == THINKING:
+        bad.append(CALL)  # the prompt opened the thinking: it must close first
+    else:
+        assert _accepts(compiled, tok, CALL) and _accepts(compiled, tok, "It is noon.")
+    for text in bad:
+        assert not _accepts(compiled, tok, text), text
+
+
+def test_thinking_then_a_tool_call_whole_and_streamed(make_router, thinking_model):
+    config = RouterConfig(model_path=thinking_model, chat_template=PLAIN)
+    h = make_router(
+        [FakeWorker("d0", "colocated")], info=load_model_info(config), model_path=thinking_model,
+        reasoning_parser="qwen3", tool_call_parser="hermes",
+    )  # fmt: skip
+    info = h.server.model_info
+    text = f"<think>plan it</think>\n\n{CALL}"
+    answer = _ask(h, info, text, tools=[TOOL])
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning"] == "plan it" and not message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_time", {"zone": "UTC"})
+    ]
+    reasoning, arguments = "", ""
+    for chunk in _ask(h, info, text, tools=[TOOL], stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning") or ""
+        assert not delta.content
+        arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
+    assert reasoning == "plan it" and json.loads(arguments) == {"zone": "UTC"}
