@@ -110,6 +110,19 @@ class ReasoningSplit:
         return "", held
 
 
+def thinking_tokens(
+    mode: str | None, token_ids: list[int], think_ids: tuple[int | None, int | None]
+) -> int:
+    """How many of an answer's tokens are thinking: those before its `</think>` token (vLLM's
+    count), or all of them when the answer was cut while thinking."""
+    open_id, close_id = think_ids
+    if mode in (None, CONTENT) or not token_ids:
+        return 0
+    if close_id in token_ids:
+        return token_ids.index(close_id)
+    return len(token_ids) if mode == THINKING or token_ids[0] == open_id else 0
+
+
 def split_whole(mode: str, text: str) -> tuple[str | None, str | None]:
     """(reasoning, content) of a whole answer; None where a part is empty."""
     split = ReasoningSplit(mode)

@@ -23,6 +23,7 @@ from aiohttp import web
 from router import responses
 from router.errors import APIError, bad_request
 from router.openai_api import RequestParser, _ignored, validate
+from router.reasoning import thinking_tokens
 from router.response_store import ResponseStore
 from router.responses_output import (
     ResponseEvents,
@@ -66,16 +67,19 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
     if instructions:
         messages.append({"role": "system", "content": instructions})
     calls: set[str] = set()
+    thinking: str | None = None  # a reasoning item's, for the assistant turn after it
     for item in items:
         kind = item["type"]
-        if kind == "message":
+        if kind == "reasoning":
+            thinking = item["text"]
+        elif kind == "message":
             role = "system" if item["role"] == "developer" else item["role"]
             messages.append({"role": role, "content": item["content"]})
         elif kind == "function_call":
             fn = {"name": item["name"], "arguments": item["arguments"]}
             call = {"id": item["call_id"], "type": "function", "function": fn}
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thinking is None:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
@@ -88,6 +92,8 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
                 raise bad_request(message, "input")
             msg = {"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]}
             messages.append(msg)
+        if thinking is not None and kind != "reasoning" and messages[-1]["role"] == "assistant":
+            messages[-1]["reasoning_content"], thinking = thinking, None
     return messages
 
 
@@ -165,7 +171,6 @@ class ResponsesAPI:
         except APIError as e:
             raise _renamed(e) from None
         parsed.ignored_fields = [n for n in _ignored(req) if n not in VLLM_EXTRAS]
-        parsed.reasoning_mode = None  # (thinking stays in the output text here)
         return ResponsesCall(req, parsed, new_id("resp"), history, items)
 
     def _keep(self, call: ResponsesCall, body: dict[str, Any]) -> None:
@@ -178,8 +183,12 @@ class ResponsesAPI:
         if call.parsed.stream:
             return await self._respond_stream(request, run, call)
         results = await run.results()
-        status, output = answer_output(call.parsed, results[0].text, results[0].finish_reason)
-        body = response_object(call, status, output, response_usage(run.usage()))
+        parsed = call.parsed
+        status, output = answer_output(parsed, results[0].text, results[0].finish_reason)
+        thinking = thinking_tokens(
+            parsed.reasoning_mode, results[0].token_ids, self.parser.think_ids
+        )
+        body = response_object(call, status, output, response_usage(run.usage(), thinking))
         self._keep(call, body)
         headers = {
             **responses.placement_headers(run.placement),
@@ -208,7 +217,10 @@ class ResponsesAPI:
                 await resp.write_eof()
                 raise StreamFailed(resp) from e
         assert resp is not None
-        for event in events.finish(response_usage(run.usage())):
+        thinking = thinking_tokens(
+            call.parsed.reasoning_mode, events.token_ids, self.parser.think_ids
+        )
+        for event in events.finish(response_usage(run.usage(), thinking)):
             await resp.write(event)
         self._keep(call, events.body)
         await resp.write_eof()

@@ -32,6 +32,7 @@ from typing import Any
 from router import responses
 from router.errors import APIError
 from router.openai_api import ParsedRequest
+from router.reasoning import ReasoningSplit, split_whole
 from router.responses_protocol import ResponsesRequest
 from router.tool_stream import ToolStreamParser
 
@@ -64,10 +65,20 @@ def function_call_item(call: dict[str, Any], status: str, item_id: str) -> dict[
             "arguments": fn["arguments"], "status": status}  # fmt: skip
 
 
-def output_items(content: str | None, calls: list[dict], status: str) -> list[dict[str, Any]]:
-    """The output: a message (when there is text, or nothing else) then the function calls."""
-    out = []
-    if content or not calls:
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (router/reasoning.py) as OpenAI's reasoning output item."""
+    content = [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content,
+            "encrypted_content": None, "status": status}  # fmt: skip
+
+
+def output_items(
+    content: str | None, calls: list[dict], status: str, reasoning: str | None = None
+) -> list[dict[str, Any]]:
+    """The output: the thinking, if any, then a message (when there is text, or nothing else)
+    then the function calls."""
+    out = [] if reasoning is None else [reasoning_item(new_id("rs"), reasoning, "completed")]
+    if content or not (calls or out):
         out.append(message_item(new_id("msg"), content or "", status))
     out += [function_call_item(c, "completed", new_id("fc")) for c in calls]
     return out
@@ -77,13 +88,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def response_usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+def response_usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
     cached = chat_usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -140,9 +151,13 @@ def response_object(
 
 def answer_output(parsed: ParsedRequest, text: str, finish: str | None) -> tuple[str, list]:
     """(status, output items) of a whole generated text."""
+    reasoning = None
+    if parsed.reasoning_mode is not None:
+        reasoning, text = split_whole(parsed.reasoning_mode, text)
     message, _ = responses.tool_message(parsed, text)
     status = "incomplete" if finish == "length" else "completed"
-    return status, output_items(message.get("content"), message.get("tool_calls") or [], status)
+    calls = message.get("tool_calls") or []
+    return status, output_items(message.get("content"), calls, status, reasoning)
 
 
 def conversation_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -152,6 +167,9 @@ def conversation_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "message":
             text = "".join(p["text"] for p in item["content"])
             out.append({"type": "message", "role": "assistant", "content": text})
+        elif item["type"] == "reasoning":
+            text = "".join(p["text"] for p in item["content"])
+            out.append({"type": "reasoning", "text": text})
         else:
             keys = ("call_id", "name", "arguments")
             out.append({"type": "function_call", **{k: item[k] for k in keys}})
@@ -175,6 +193,13 @@ class ResponseEvents:
         self.held = ""  # a forced call's text
         self.body: dict[str, Any] = {}  # the final response object
         self.finish_reason: str | None = None
+        self.message_index = 0  # the message item's place in the output
+        # A reasoning model's thinking (router/reasoning.py): its item, open while it grows.
+        mode = parsed.reasoning_mode
+        self.split = ReasoningSplit(mode) if mode is not None else None
+        self.thought_id: str | None = None
+        self.thought, self.thinking_open = "", False
+        self.token_ids: list[int] = []  # the answer's (its thinking tokens are counted)
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -190,31 +215,74 @@ class ResponseEvents:
 
     def piece(self, piece: Any) -> list[bytes]:
         self.finish_reason = piece.finish_reason or self.finish_reason
+        self.token_ids += piece.token_ids
+        if self.split is None:
+            return self._answer(piece.text)
+        reasoning, content = self.split.feed(piece.text)
+        return self._thinking(reasoning) + self._answer(content)
+
+    def _answer(self, text: str) -> list[bytes]:
         if self.mode == "text":
-            return self._text(piece.text)
+            return self._text(text)
         if self.mode == "auto":
-            return self._text(self.parser.feed(piece.text))
-        self.held += piece.text
+            return self._text(self.parser.feed(text))
+        self.held += text
         return []
+
+    def _thinking(self, delta: str) -> list[bytes]:
+        """A piece of thinking: its item opened first (content_index 0 of a reasoning_text)."""
+        if not delta:
+            return []
+        out = []
+        if self.thought_id is None:
+            self.thought_id, self.thinking_open = new_id("rs"), True
+            item = reasoning_item(self.thought_id, "", "in_progress")
+            part = {"type": "reasoning_text", "text": ""}
+            out += [
+                self.event("response.output_item.added", output_index=len(self.output), item=item),
+                self.event("response.content_part.added", **self._thought_at(), part=part),
+            ]
+        self.thought += delta
+        return out + [
+            self.event("response.reasoning_text.delta", **self._thought_at(), delta=delta)
+        ]
+
+    def _thought_at(self) -> dict[str, Any]:
+        return {"item_id": self.thought_id, "output_index": len(self.output), "content_index": 0}
+
+    def _close_thinking(self) -> list[bytes]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        at, text = self._thought_at(), self.thought
+        item = reasoning_item(self.thought_id, text, "completed")
+        part = {"type": "reasoning_text", "text": text}
+        self.output.append(item)
+        return [
+            self.event("response.reasoning_text.done", **at, text=text),
+            self.event("response.content_part.done", **at, part=part),
+            self.event("response.output_item.done", output_index=at["output_index"], item=item),
+        ]
 
     def _text(self, delta: str) -> list[bytes]:
         if not delta:
             return []
         out = self._open_message()
         self.text += delta
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        where = {"item_id": self.message_id, "output_index": self.message_index, "content_index": 0}
         out.append(self.event("response.output_text.delta", **where, delta=delta, logprobs=[]))
         return out
 
     def _open_message(self) -> list[bytes]:
         if self.message_id is not None:
             return []
-        self.message_id = new_id("msg")
+        closed = self._close_thinking()
+        self.message_id, self.message_index = new_id("msg"), len(self.output)
         item = message_item(self.message_id, "", "in_progress")
         part = {"type": "output_text", "text": "", "annotations": []}
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
-        return [
-            self.event("response.output_item.added", output_index=0, item=item),
+        where = {"item_id": self.message_id, "output_index": self.message_index, "content_index": 0}
+        return closed + [
+            self.event("response.output_item.added", output_index=self.message_index, item=item),
             self.event("response.content_part.added", **where, part=part),
         ]
 
@@ -222,6 +290,9 @@ class ResponseEvents:
         """The events after the last piece; `body` holds the final response object."""
         out: list[bytes] = []
         calls: list[dict[str, Any]] = []
+        if self.split is not None:
+            reasoning, content = self.split.finish()
+            out += self._thinking(reasoning) + self._answer(content)
         if self.mode == "auto":
             rest = self.parser.finish()
             out += self._text(rest.content or "")
@@ -231,7 +302,8 @@ class ResponseEvents:
             if not calls:  # the token limit cut the call: its text is all there is
                 out += self._text(self.held)
         status = "incomplete" if self.finish_reason == "length" else "completed"
-        if self.message_id is not None or not calls:
+        out += self._close_thinking()
+        if self.message_id is not None or not (calls or self.output):
             out += self._close_message(status)
         for c in calls:
             out += self._function_call(c)
@@ -242,14 +314,14 @@ class ResponseEvents:
 
     def _close_message(self, status: str) -> list[bytes]:
         out = self._open_message()
-        where = {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+        where = {"item_id": self.message_id, "output_index": self.message_index, "content_index": 0}
         part = {"type": "output_text", "text": self.text, "annotations": []}
         item = message_item(self.message_id, self.text, status)
         self.output.append(item)
         return out + [
             self.event("response.output_text.done", **where, text=self.text, logprobs=[]),
             self.event("response.content_part.done", **where, part=part),
-            self.event("response.output_item.done", output_index=0, item=item),
+            self.event("response.output_item.done", output_index=self.message_index, item=item),
         ]
 
     def _function_call(self, call: dict[str, Any]) -> list[bytes]:

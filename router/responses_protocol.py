@@ -63,7 +63,7 @@ BUILTIN_TOOLS = (
     "code_interpreter", "image_generation", "mcp", "local_shell", "shell", "custom",
     "apply_patch",
 )  # fmt: skip
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 def _refused(name: str) -> Any:
@@ -139,6 +139,27 @@ class FunctionCallOutputItem(StrictModel):
         return {"type": "function_call_output", "call_id": self.call_id, "output": text}
 
 
+class ReasoningText(StrictModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    """A reasoning model's thinking, sent back as it was answered (an agent loop replays its
+    output items): it reaches the chat template on the assistant turn that follows."""
+
+    type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] = []
+    encrypted_content: None = flag("thinking another service encrypted cannot be read here")
+    id: str | None = flag("the output item's id: not used")
+    status: str | None = flag("the output item's status: not used")
+
+    def normalized(self) -> dict[str, Any]:
+        parts = self.content if self.content else self.summary
+        return {"type": "reasoning", "text": "\n".join(p.text for p in parts)}
+
+
 def _item_type(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
@@ -149,13 +170,14 @@ def _item_type(value: Any) -> str | None:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("<message>")]
     | Annotated[FunctionCallItem, Tag("<function_call>")]
-    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")],
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[ReasoningItem, Tag("<reasoning>")],
     Discriminator(
         _item_type,
         custom_error_type="invalid_value",
         custom_error_message=(
-            "must be a message (role and content), a function_call or a function_call_output "
-            "item (other item types are not supported)"
+            "must be a message (role and content), a function_call, a function_call_output "
+            "or a reasoning item (other item types are not supported)"
         ),
     ),
 ]

@@ -218,3 +218,53 @@ def test_thinking_then_a_tool_call_whole_and_streamed(make_router, thinking_mode
         assert not delta.content
         arguments += "".join(c.function.arguments or "" for c in delta.tool_calls or ())
     assert reasoning == "plan it" and json.loads(arguments) == {"zone": "UTC"}
+
+
+def test_responses_answer_a_reasoning_item_first(make_router, thinking_model):
+    """/v1/responses: the thinking is a `reasoning` output item before the message, whole and
+    streamed (reasoning_text events), counted in output_tokens_details.reasoning_tokens."""
+    h, info = _router(make_router, thinking_model)
+    text = "<think>plan it</think>Paris."
+    ids = info.tokenizer(text, add_special_tokens=False)["input_ids"]
+    client = h.openai()
+    whole = client.responses.create(model="tiny-llama", input=text, max_output_tokens=len(ids))
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "plan it" and whole.output_text == "Paris."
+    assert whole.usage.output_tokens_details.reasoning_tokens == len(
+        info.tokenizer("<think>plan it", add_special_tokens=False)["input_ids"]
+    )
+    events = list(
+        client.responses.create(
+            model="tiny-llama", input=text, max_output_tokens=len(ids), stream=True
+        )
+    )
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    said = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, said) == ("plan it", "Paris.")
+    done = events[-1].response
+    assert [item.type for item in done.output] == ["reasoning", "message"]
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]
+
+
+def test_a_reasoning_item_sent_back_reaches_the_template(make_router, thinking_model):
+    from router.responses_api import chat_messages
+
+    items = [
+        {"type": "message", "role": "user", "content": "q"},
+        {"type": "reasoning", "text": "t"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    ]
+    assert chat_messages(None, items)[-1]["reasoning_content"] == "t"
+    h, info = _router(make_router, thinking_model)
+    replay = [
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "t"}]},
+        {"type": "message", "role": "assistant", "content": "a"},
+        {"role": "user", "content": "again"},
+    ]  # fmt: skip
+    answer = requests.post(
+        h.base_url + "/v1/responses", json={"input": replay, "max_output_tokens": 2}, timeout=20
+    )
+    assert answer.status_code == 200, answer.text
