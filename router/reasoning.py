@@ -52,8 +52,9 @@ def initial_mode(parser: str, prompt_text: str, thinking_enabled: bool) -> str:
     return UNDECIDED if thinking_enabled else CONTENT
 
 
-def _partial_marker(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that is a proper start of `marker`."""
+def partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper start of `marker`: what a
+    stream holds back until the next piece shows whether the marker is there."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
             return n
@@ -96,7 +97,7 @@ class ReasoningSplit:
                 reasoning.append(buf[:end])
                 buf, self.mode, self.after_close = buf[end + len(CLOSE) :], CONTENT, True
                 continue
-            keep = _partial_marker(buf, CLOSE)
+            keep = partial_marker(buf, CLOSE)
             reasoning.append(buf[: len(buf) - keep])
             self.held = buf[len(buf) - keep :]
             break

@@ -15,6 +15,7 @@ import re
 import uuid
 from typing import Any
 
+from router.reasoning import partial_marker
 from router.tools import (
     HERMES_OPEN,
     MISTRAL_CALLS,
@@ -25,14 +26,6 @@ from router.tools import (
     _parse_llama3,
     mistral_calls,
 )
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ToolStreamParser:
@@ -87,7 +80,7 @@ class ToolStreamParser:
             self._gap = self._buf[len(head) : start]
             self._buf, self._in_calls = self._buf[start:], True
             return self._emit(head)
-        cut = len(self._buf) - _partial_suffix(self._buf, self._marker)
+        cut = len(self._buf) - partial_marker(self._buf, self._marker)
         while cut > 0 and self._buf[cut - 1].isspace():
             cut -= 1
         out, self._buf = self._buf[:cut], self._buf[cut:]
