@@ -38,6 +38,12 @@ def think_token_ids(tokenizer: Any, parser: str) -> tuple[int | None, int]:
             f"reasoning parser {parser!r}: the tokenizer has no {CLOSE} token (it splits it "
             f"into {len(ids[1])}), so this model does not think in {OPEN}...{CLOSE} blocks"
         )
+    if ids[1][0] in set(getattr(tokenizer, "all_special_ids", ())):
+        # Answers are decoded without special tokens: the marker would vanish from the text.
+        raise ValueError(
+            f"reasoning parser {parser!r}: this tokenizer marks {CLOSE} special, so answers "
+            "(decoded without special tokens) would lose it"
+        )
     return (ids[0][0] if len(ids[0]) == 1 else None), ids[1][0]
 
 

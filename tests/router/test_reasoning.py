@@ -157,10 +157,14 @@ def test_thinking_sent_back_reaches_the_template(make_router, thinking_model):
         assert "[t|t]" in text, (name, text)
 
 
-def test_a_tokenizer_without_the_markers_is_refused(model_dir):
+def test_a_tokenizer_without_the_markers_is_refused(model_dir, thinking_model):
     config = RouterConfig(model_path=model_dir, reasoning_parser="qwen3")
     with pytest.raises(ValueError, match="no </think> token"):
         request_parser(config, load_model_info(config))
+    tok = load_model_info(RouterConfig(model_path=thinking_model)).tokenizer
+    tok.add_special_tokens({"additional_special_tokens": ["</think>"]})
+    with pytest.raises(ValueError, match="marks </think> special"):
+        think_token_ids(tok, "qwen3")
 
 
 TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
