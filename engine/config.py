@@ -5,6 +5,8 @@ router shares, engine/model_info.py, as it shares the context-window rule), so c
 written by transformers 4.x (`rope_scaling`, `rope_theta`) and 5.x (`rope_parameters`) both
 load; the rotary tables themselves come from the architecture's own HF rotary class (see
 `engine.models.rope`), which keeps every rope variant token-exact with the reference.
+What a decoder would compute differently from transformers is refused here, the config field
+named (`_check_computable`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA3 = "Gemma3ForCausalLM"  # Gemma 3's text decoder: its own layer (engine/models/gemma.py)
+# transformers' per-layer attention types (`config.layer_types`) the engine computes: a layer
+# of the first attends within `sliding_window` keys, one of the second to every key.
+SLIDING, FULL = "sliding_attention", "full_attention"
 # Architectures whose checkpoints store q/k/v and gate/up already fused, under the names the
 # engine's parameters have (`qkv_proj`, `gate_up_proj`): engine/loader.py reads those whole.
 PREFUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
@@ -67,7 +74,13 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    # The attention window (keys a query sees, itself included; None: all): every layer's, or
+    # with `layer_types` the sliding layers' only (`window_of`).
     sliding_window: int | None
+    # Each layer's type (SLIDING or FULL) where they differ (Gemma 3: window and rotary table
+    # by type); empty where every layer is alike.
+    layer_types: tuple[str, ...]
+    attention_scale: float  # the softmax scale of q.k
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     hf_config: Any = field(compare=False, repr=False)
@@ -99,13 +112,12 @@ class ModelConfig:
         _check_computable(hf, arch)
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        gemma = arch == GEMMA3
+        # Gemma scales by query_pre_attn_scalar, which its checkpoints set apart from head_dim.
+        scale = (hf.query_pre_attn_scalar if gemma else head_dim) ** -0.5
         qkv_bias = arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False))
         o_bias = arch != "Qwen2ForCausalLM" and bool(getattr(hf, "attention_bias", False))
-        sliding = getattr(hf, "sliding_window", None)
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(
-            hf, "use_sliding_window", False
-        ):
-            sliding = None
+        sliding, layer_types = _windows(hf, arch)
         eos = eos_token_ids(path, hf)
         fp8 = (
             None if gguf else read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
@@ -125,13 +137,21 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
             sliding_window=sliding,
+            layer_types=layer_types,
+            attention_scale=float(scale),
             eos_token_ids=eos,
             bos_token_id=getattr(hf, "bos_token_id", None),
             hf_config=hf,
             fp8_checkpoint=fp8,
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """The attention window of decoder layer `layer` (None: the layer sees every key)."""
+        if self.layer_types and self.layer_types[layer] != SLIDING:
+            return None
+        return self.sliding_window
 
     @property
     def prefused_checkpoint(self) -> bool:
@@ -151,26 +171,92 @@ class ModelConfig:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        if self.architecture == GEMMA3:  # its pre- and post-feedforward norms
+            per_layer += 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
 
+def _windows(hf: Any, arch: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers attends: Gemma 3 per layer; Qwen2/Qwen3
+    only with `use_sliding_window`, and then only on the layers `layer_types` marks sliding
+    (from `max_window_layers` on: none of them when it is the layer count); every layer of
+    the others. `layer_types` is left empty when every layer attends alike."""
+    sliding = getattr(hf, "sliding_window", None)
+    if arch == GEMMA3:
+        return sliding, tuple(hf.layer_types)
+    if arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        return sliding, ()
+    if not sliding or not getattr(hf, "use_sliding_window", False):
+        return None, ()
+    types = tuple(getattr(hf, "layer_types", None) or ())
+    if types and SLIDING not in types:
+        return None, ()
+    return sliding, (types if FULL in types else ())
+
+
 def _check_computable(hf: Any, arch: str) -> None:
     """ValueError naming the config field when the decoder would compute something other than
-    transformers does: it rotates every dimension of a head, and its MLP is SiLU-gated."""
-    params = getattr(hf, "rope_parameters", None)
-    params = params if isinstance(params, dict) else {}
-    for where, value in (
-        ("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)),
-        ("rope_parameters['partial_rotary_factor']", params.get("partial_rotary_factor")),
-    ):
-        if value is not None and float(value) != 1.0:
-            raise ValueError(
-                f"{arch}: {where} is {value}; only full rotary embeddings (1.0) are supported"
-            )
+    transformers does: it rotates every dimension of a head, and its MLP is SiLU-gated (GELU-tanh
+    for Gemma 3, whose other fields `_check_gemma3` checks)."""
+    for where, params in _rope_dicts(hf):
+        for key, value in (
+            ("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None)),
+            (f"{where}['partial_rotary_factor']", params.get("partial_rotary_factor")),
+        ):
+            if value is not None and float(value) != 1.0:
+                raise ValueError(
+                    f"{arch}: {key} is {value}; only full rotary embeddings (1.0) are supported"
+                )
+    if arch == GEMMA3:
+        _check_gemma3(hf, arch)
+        return
     act = getattr(hf, "hidden_act", "silu")
     if act not in ("silu", "swish"):  # transformers' two names of one function
         raise ValueError(f"{arch}: hidden_act is {act!r}; only 'silu' is supported")
+
+
+def _rope_dicts(hf: Any) -> list[tuple[str, dict]]:
+    """(how to name it, dict) for the config's rope parameters: the one dict, or one per layer
+    type where transformers nests them so (Gemma 3)."""
+    params = getattr(hf, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return [("rope_parameters", {})]
+    nested = [k for k in getattr(hf, "layer_types", None) or () if isinstance(params.get(k), dict)]
+    if not nested:
+        return [("rope_parameters", params)]
+    return [(f"rope_parameters[{k!r}]", params[k]) for k in dict.fromkeys(nested)]
+
+
+def _check_gemma3(hf: Any, arch: str) -> None:
+    """Gemma 3's fields that change what transformers computes, each refused unless the
+    decoder computes it (engine/models/gemma.py)."""
+    act = getattr(hf, "hidden_activation", None)  # Gemma's field; its `hidden_act` is unread
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"{arch}: hidden_activation is {act!r}; only 'gelu_pytorch_tanh' is supported"
+        )
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if (cap := getattr(hf, name, None)) is not None:
+            raise ValueError(f"{arch}: {name} is {cap}; soft-capping is not supported")
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError(f"{arch}: use_bidirectional_attention is set; only causal is supported")
+    types = list(getattr(hf, "layer_types", None) or ())
+    if len(types) != hf.num_hidden_layers or not set(types) <= {SLIDING, FULL}:
+        raise ValueError(
+            f"{arch}: layer_types is {types}; one of {SLIDING!r} or {FULL!r} per layer "
+            f"({hf.num_hidden_layers}) is supported"
+        )
+    if SLIDING in types and not getattr(hf, "sliding_window", None):
+        raise ValueError(f"{arch}: sliding_window is unset but layer_types has {SLIDING!r}")
+    for where, params in _rope_dicts(hf):
+        rope_type = params.get("rope_type", "default")
+        if any(t in rope_type for t in ("dynamic", "longrope")):
+            # Their frequencies change with the sequence length; Gemma's tables are built
+            # per position (engine.models.rope), tested bit-equal for the other variants.
+            raise ValueError(f"{arch}: {where}['rope_type'] is {rope_type!r}; it is not supported")
 
 
 def _check_longrope_window(hf: Any, arch: str, window: int) -> None:

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from engine.config import ModelConfig
 from engine.gguf_file import GGUFCheckpoint, is_gguf
-from engine.models import CausalLM
+from engine.models import CausalLM, model_class
 from engine.models.linear import Linear
 from engine.models.weight_arena import pack_weights
 from engine.quantization import fp8
@@ -51,7 +51,7 @@ def build_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     with torch.device(device), _default_dtype(dtype):
-        model = CausalLM(cfg if shard is None else shard.local_config())
+        model = model_class(cfg)(cfg if shard is None else shard.local_config())
     if shard is not None:
         from engine.models.parallel import make_row_parallel
 
@@ -231,7 +231,8 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
             if name in fp8_layers:
                 _load_fp8_part(model, fp8_layers[name], name, idx, hf_name, files)
             elif name in params:
-                tensor = _full_tensor(files, hf_name, ckpt)
+                # Gemma's norms hold 1 + w (CausalLM.checkpoint_tensor).
+                tensor = model.checkpoint_tensor(name, _full_tensor(files, hf_name, ckpt))
                 param = params[name]
                 dst = param if idx is None else param[slice(*_shard_slice(model, name, idx))]
                 _check_shape(hf_name, tensor, dst.shape)

@@ -20,12 +20,17 @@ family so a runtime that gets one of them wrong cannot pass on the others:
 - qwen2:   GQA, q/k/v biases, tied input/output embeddings
 - qwen3:   MQA (1 kv head), head_dim != hidden/heads, per-head q/k RMSNorm
 - phi3:    GQA, q/k/v and gate/up stored fused (`qkv_proj`, `gate_up_proj`), no sliding window
+- gemma3:  sliding (20-token window, local rope base) and full layers (global base, linear
+           scaling), (1 + w) norms around both sublayers, q/k norms, GELU-tanh, scaled tied
+           embeddings, query_pre_attn_scalar (24) != head_dim (48) != hidden/heads (32)
 
-Weights are not HF's default init: the norms are 1 + 0.1*N(0,1) (so a runtime that ignores
-them fails), biases and q/k norms are non-zero, q/k projections are scaled so attention
-scores have a standard deviation near 1 (attention is not uniform averaging, so masking and
-RoPE mistakes show), and the output embedding gives logits with a standard deviation near 2
-(greedy decoding has clear winners). Same (arch, preset, seed) -> byte-identical weights.
+Weights are not HF's default init: the norms are 1 + 0.1*N(0,1) (so a runtime that ignores them
+fails; Gemma's, which scale by 1 + w, have w = 0.3*N(0,1), 8 more in its post-sublayer norms,
+so one that drops the 1 fails too), biases and q/k norms are non-zero, q/k projections are
+scaled so attention scores have a standard deviation near 1 (attention is not uniform
+averaging, so masking and RoPE mistakes show), and the output embedding gives logits with a
+standard deviation near 2 (greedy decoding has clear winners). Same (arch, preset, seed) ->
+byte-identical weights.
 
 `--train-steps N` (`train_steps=N`) then trains the checkpoint for N steps on the embedded
 corpus (`tools/train_model.py`). Random weights give near-flat next-token distributions, so
@@ -47,9 +52,9 @@ import pathlib
 import secrets
 import shutil
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 PRESETS = ("tiny", "small")
 
 PAD_TOKEN = "<|pad|>"
@@ -128,7 +133,19 @@ _CONFIG_CLASSES = {
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "phi3": "Phi3Config",
+    "gemma3": "Gemma3TextConfig",
 }
+SLIDING, FULL = "sliding_attention", "full_attention"  # Gemma 3's two layer types
+
+
+class GemmaFields(NamedTuple):
+    """Gemma3TextConfig's own fields: each layer's type, the sliding layers' window and rope
+    base, and the attention scale's denominator (scale = query_pre_attn_scalar ** -0.5)."""
+
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rope_local_base_freq: float
+    query_pre_attn_scalar: int
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,6 +165,7 @@ class ModelShape:
     rms_norm_eps: float
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = field(default=None)
+    gemma: GemmaFields | None = None  # gemma3 only
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -159,6 +177,9 @@ class ModelShape:
         if self.arch == "phi3" and self.head_dim * self.num_attention_heads != self.hidden_size:
             # Phi3Config has no head_dim field: its rope checks use hidden_size // heads.
             raise ValueError("phi3: head_dim must be hidden_size / num_attention_heads")
+        types = self.gemma.layer_types if self.gemma else ()
+        if (self.arch == "gemma3") != (len(types) == self.num_hidden_layers):
+            raise ValueError("gemma3 (only) needs GemmaFields naming one type per layer")
         if self.vocab_size < 256 + len(SPECIAL_TOKENS):
             raise ValueError("vocab_size must hold the 256 byte tokens and the special tokens")
         if self.max_position_embeddings < 1:
@@ -171,10 +192,10 @@ class ModelShape:
         attn = h * q + 2 * h * kv + q * h
         if self.arch == "qwen2":
             attn += q + 2 * kv  # q/k/v biases
-        if self.arch == "qwen3":
+        if self.arch in ("qwen3", "gemma3"):
             attn += 2 * self.head_dim  # q_norm, k_norm
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h  # input and post-attention norms
+        per_layer = attn + mlp + (4 if self.gemma else 2) * h  # norms around the sublayers
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * per_layer + embed + h  # + final norm
 
@@ -187,6 +208,10 @@ _LLAMA3_ROPE = {
     "original_max_position_embeddings": 256,
 }
 
+_GEMMA3_TINY = GemmaFields((SLIDING, SLIDING, FULL, SLIDING), 20, 10000.0, 24)
+_GEMMA3_SMALL = GemmaFields((SLIDING,) * 5 + (FULL,) + (SLIDING,) * 2, 128, 10000.0, 64)  # 5:1
+_LINEAR8 = {"rope_type": "linear", "factor": 8.0}  # Gemma 3 4B and up scale global rope so
+
 _SHAPES: dict[tuple[str, str], ModelShape] = {
     ("llama", "tiny"): ModelShape(
         "llama", 128, 2, 4, 2, 32, 352, 1024, 1024, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
@@ -197,6 +222,9 @@ _SHAPES: dict[tuple[str, str], ModelShape] = {
     ),
     ("qwen3", "tiny"): ModelShape("qwen3", 128, 2, 4, 1, 48, 384, 1024, 1024, 1000000.0, 1e-6),
     ("phi3", "tiny"): ModelShape("phi3", 128, 2, 4, 2, 32, 320, 1024, 1024, 10000.0, 1e-5),
+    ("gemma3", "tiny"): ModelShape(
+        "gemma3", 128, 4, 4, 2, 48, 384, 1024, 1024, 1e6, 1e-6, True, _LINEAR8, _GEMMA3_TINY
+    ),
     ("llama", "small"): ModelShape(
         "llama", 512, 8, 8, 4, 64, 1536, 8192, 2048, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
     ),
@@ -206,6 +234,9 @@ _SHAPES: dict[tuple[str, str], ModelShape] = {
     ),
     ("qwen3", "small"): ModelShape("qwen3", 512, 8, 8, 1, 96, 1536, 8192, 2048, 1000000.0, 1e-6),
     ("phi3", "small"): ModelShape("phi3", 512, 8, 8, 4, 64, 1536, 8192, 2048, 10000.0, 1e-5),
+    ("gemma3", "small"): ModelShape(
+        "gemma3", 512, 8, 8, 2, 96, 1536, 8192, 2048, 1e6, 1e-6, True, None, _GEMMA3_SMALL
+    ),
 }
 
 
@@ -236,7 +267,6 @@ def build_config(shape: ModelShape) -> Any:
         "num_attention_heads": shape.num_attention_heads,
         "num_key_value_heads": shape.num_key_value_heads,
         "head_dim": shape.head_dim,
-        "hidden_act": "silu",
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": shape.rms_norm_eps,
         "rope_theta": shape.rope_theta,
@@ -249,6 +279,11 @@ def build_config(shape: ModelShape) -> Any:
     }
     if shape.rope_scaling is not None:
         kwargs["rope_scaling"] = dict(shape.rope_scaling)
+    if shape.gemma is not None:
+        kwargs.update(shape.gemma._asdict(), layer_types=list(shape.gemma.layer_types))
+        kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+    else:
+        kwargs["hidden_act"] = "silu"
     if shape.arch in ("mistral", "phi3"):
         kwargs["sliding_window"] = None
     if shape.arch in ("qwen2", "qwen3"):
@@ -359,7 +394,11 @@ def _init_std(name: str, shape: ModelShape) -> tuple[float, float]:
     """(mean, std) for the parameter called `name`; see the module docstring for why."""
     h = shape.hidden_size
     if name.endswith("norm.weight"):  # input/post-attention/final norms and q_norm/k_norm
-        return 1.0, 0.1
+        if shape.arch != "gemma3":
+            return 1.0, 0.1
+        # Gemma scales by 1 + w: w near 0; its post-sublayer norms ~9x (as trained ones), else the
+        # scaled embedding of the last token rules the residual and the tied head repeats it.
+        return (8.0, 0.3) if ".post_" in name else (0.0, 0.3)
     if name.endswith(".bias"):
         return 0.0, 0.2
     if "embed_tokens" in name or name.startswith("lm_head"):
@@ -528,6 +567,8 @@ def _patch_config_json(path: pathlib.Path, shape: ModelShape) -> None:
     cfg["rope_scaling"] = dict(shape.rope_scaling) if shape.rope_scaling else None
     cfg["torch_dtype"] = "float32"
     cfg["head_dim"] = shape.head_dim
+    if shape.gemma is not None:  # 4.x's name of the sliding layers' rope base
+        cfg["rope_local_base_freq"] = shape.gemma.rope_local_base_freq
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 

@@ -1,5 +1,6 @@
 """Attention backends behind one interface (`AttentionBackend.forward`)."""
 
 from engine.attention.base import AttentionBackend, select_backend
+from engine.attention.params import LayerAttention
 
-__all__ = ["AttentionBackend", "select_backend"]
+__all__ = ["AttentionBackend", "LayerAttention", "select_backend"]

@@ -2,7 +2,9 @@
 
 A backend writes the step's new K/V into the paged cache and returns attention output for
 the step's queries. It reads the per-step metadata with
-`engine.model_runner.get_forward_context()`.
+`engine.model_runner.get_forward_context()`. It is built with the model's softmax scale and
+window; a model whose layers differ in them (Gemma 3) passes each layer's own with the call
+(`engine.attention.params.LayerAttention`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from engine.attention.params import LayerAttention
 from engine.kv_cache import KVCache
 
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -28,6 +31,7 @@ class AttentionBackend(Protocol):
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         v: torch.Tensor,
         cache: KVCache,
+        attn: LayerAttention | None = None,  # None: the backend's own scale and window
     ) -> torch.Tensor: ...
 
 

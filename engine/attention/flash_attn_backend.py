@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.params import LayerAttention
 from engine.kv_cache import KVCache
 from engine.model_runner import get_forward_context
+
+
+def _window(window: int | None) -> tuple[int, int]:
+    """flash-attn's (left, right) bounds for a window of `window` keys (None: unbounded)."""
+    return (window - 1, 0) if window else (-1, -1)
 
 
 class FlashAttentionBackend:
@@ -26,9 +32,12 @@ class FlashAttentionBackend:
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
         self.scale = scale
-        self.window = (sliding_window - 1, 0) if sliding_window else (-1, -1)
+        self.sliding_window = sliding_window
 
-    def forward(self, layer, q, k, v, cache: KVCache) -> torch.Tensor:
+    def forward(self, layer, q, k, v, cache: KVCache, attn=None) -> torch.Tensor:
+        if attn is None:
+            attn = LayerAttention(self.scale, self.sliding_window)
+        scale, window = attn.scale, _window(attn.window)
         meta = get_forward_context()
         cache.write(layer, meta.slot_mapping, k, v)
         bs = cache.spec.block_size
@@ -43,9 +52,9 @@ class FlashAttentionBackend:
                 vc,
                 cache_seqlens=lens,
                 block_table=meta.block_tables.to(torch.int32),
-                softmax_scale=self.scale,
+                softmax_scale=scale,
                 causal=True,
-                window_size=self.window,
+                window_size=window,
             )
             return o.squeeze(1)
         # General path: gather each sequence's context into one packed varlen batch.
@@ -73,7 +82,7 @@ class FlashAttentionBackend:
             cu_kt,
             max(qlens),
             max(cu_k[i + 1] - cu_k[i] for i in range(n)),
-            softmax_scale=self.scale,
+            softmax_scale=scale,
             causal=True,
-            window_size=self.window,
+            window_size=window,
         )

@@ -26,25 +26,26 @@ class TritonAttentionBackend(TorchAttentionBackend):
     def __init__(self, scale: float, sliding_window: int | None = None):
         super().__init__(scale, sliding_window, cpu_kernel=False)
 
-    def forward(self, layer, q, k, v, cache: KVCache) -> torch.Tensor:
+    def forward(self, layer, q, k, v, cache: KVCache, attn=None) -> torch.Tensor:
         if cache.scales is not None:
             raise ValueError("the triton backend does not read FP8 KV caches")
+        attn = self.layer_attention(attn)  # plain numbers: captured into a graph as constants
         meta = get_forward_context()
         kc, vc, _, _ = cache.layer_views(layer)
         kernels.write_kv(k, v, kc, vc, meta.slot_mapping)
         if not meta.prefill_idx:  # decode-only: rows 0..n-1 in order, tensors only
             return kernels.paged_decode(
-                q, kc, vc, meta.block_tables, meta.decode_context_lens, self.scale,
-                self.sliding_window, max(meta.context_lens),
+                q, kc, vc, meta.block_tables, meta.decode_context_lens, attn.scale,
+                attn.window, max(meta.context_lens),
             )  # fmt: skip
         out = torch.empty_like(q)
         plan = self._decode_plan(meta, cache.spec.block_size, q.device)
         if plan is not None:
             rows = plan.rows if plan.rows is not None else slice(0, plan.tables.shape[0])
             out[rows] = kernels.paged_decode(
-                q[rows], kc, vc, plan.tables, plan.lens, self.scale, self.sliding_window,
+                q[rows], kc, vc, plan.tables, plan.lens, attn.scale, attn.window,
                 max(meta.context_lens),
             )  # fmt: skip
         for i in meta.prefill_idx:
-            self._prefill_one(layer, i, q, k, v, out, cache, meta)
+            self._prefill_one(layer, i, (q, k, v, out), cache, meta, attn)
         return out

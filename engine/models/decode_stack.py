@@ -5,7 +5,9 @@ rows, so it is used only where the Python path would have made those calls: ever
 a plain `Linear` (no tensor parallelism) routed to the GEMV kernel (bf16 weights with the CPU
 kernels on, or int8 weights with their kernels), the fused norm/RoPE/SiLU ops on, no q/k
 norm, and the attention backend on its CPU paged-decode kernel with a cache in the model's
-dtype (no FP8 scales). Anything else keeps the Python path. `TANDEM_DECODE_STACK=0` turns it
+dtype (no FP8 scales). Anything else keeps the Python path, and so does every model whose
+layer is not the loop's (`CausalLM.decode_stack_layers`: Gemma 3's four norms, GELU MLP and
+per-layer scale, window and rotary table). `TANDEM_DECODE_STACK=0` turns it
 off (the benchmark compares the two).
 """
 
@@ -45,6 +47,10 @@ def build(model: nn.Module):
     ops = model.model.norm.fused
     stack_cls = getattr(ops, "decode_stack", None)
     if not enabled() or stack_cls is None or cfg.qk_norm or ops.rope_ is None:
+        return None
+    if not model.decode_stack_layers:  # another layer than the loop's (Gemma 3's)
+        return None
+    if cfg.layer_types:  # layers with different windows (the loop attends with one)
         return None
     dtype = model.model.norm.weight.dtype
     tensors: list = []

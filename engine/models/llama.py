@@ -7,6 +7,9 @@ instead of three or two. `packed_modules` tells the loader how to fill the fused
 checkpoints hold them fused already, in the same [q | k | v] and [gate | up] order, and its
 layer is this one: same norms, SiLU-gated MLP and residual adds).
 The projections are `engine.models.linear.Linear` (CPU GEMM routing, int8 weights).
+Gemma 3's decoder (engine/models/gemma.py) subclasses these classes through the hooks they
+leave (`Attention.norm_class` / `layer_attention`, `CausalLM.backbone_class`, `_register_rope`,
+`_link_fp8_consumers`, `checkpoint_tensor`, `decode_stack_layers`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels, quantization
+from engine.attention.params import LayerAttention
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.decode_stack import build as build_decode_stack
@@ -79,6 +83,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    norm_class = RMSNorm  # the q/k norms' (Gemma's scale by 1 + w)
+    # The scale and window this layer attends with (`engine.attention.params.LayerAttention`);
+    # None: the backend's own, the model's one scale and window.
+    layer_attention = None
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
@@ -89,10 +98,12 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.layer_types:  # layers that attend with different windows (Qwen2's, Gemma's)
+            self.layer_attention = LayerAttention(cfg.attention_scale, cfg.window_of(layer))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
 
     fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
 
@@ -118,7 +129,7 @@ class Attention(nn.Module):
             # q and k heads are adjacent: rotate them in one pass (same math, half the ops).
             qk = rotate(qkv[:, : h + kvh], cos, sin)
             q, k = qk[:, :h], qk[:, h:]
-        o = backend.forward(self.layer, q, k, v, cache)
+        o = backend.forward(self.layer, q, k, v, cache, self.layer_attention)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -170,6 +181,9 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    backbone_class = Backbone  # the embeddings, the decoder layers and the final norm
+    # The C++ decode loop (engine.models.decode_stack) computes this class's layer.
+    decode_stack_layers = True
     # fused parameter -> the checkpoint's names of its parts, in concatenation order. A
     # pre-fused checkpoint (Phi-3: `ModelConfig.prefused_checkpoint`) stores the fused
     # tensors themselves, in this same order, so its model packs nothing.
@@ -183,7 +197,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         if cfg.prefused_checkpoint:
             self.packed_modules = {}
-        self.model = Backbone(cfg)
+        self.model = self.backbone_class(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -191,12 +205,9 @@ class CausalLM(nn.Module):
         prev = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
-            cos, sin = rope_tables(cfg.hf_config, cfg.architecture, cfg.max_position, cfg.head_dim)
+            self._register_rope(cfg)
         finally:
             torch.set_default_dtype(prev)
-        cos, sin = cos.to(self.lm_head.weight.device), sin.to(self.lm_head.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         on_cpu = self.lm_head.weight.device.type == "cpu"
         self.use_cpu_bf16_kernels(
             prev == torch.bfloat16 and on_cpu, gemv_only=cpu_has_native_bf16_gemm()
@@ -204,6 +215,19 @@ class CausalLM(nn.Module):
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
         if self.lm_head.weight.device.type == "cuda":
             self.use_fused_ops(kernels.gpu_ops())
+
+    def _register_rope(self, cfg: ModelConfig, layer_type=None, prefix: str = "rope") -> None:
+        """Buffers `{prefix}_cos` / `{prefix}_sin`: the fp32 tables of every position."""
+        cos, sin = rope_tables(
+            cfg.hf_config, cfg.architecture, cfg.max_position, cfg.head_dim, layer_type
+        )
+        device = self.lm_head.weight.device
+        self.register_buffer(f"{prefix}_cos", cos.to(device), persistent=False)
+        self.register_buffer(f"{prefix}_sin", sin.to(device), persistent=False)
+
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """What parameter `name` holds of the checkpoint's `tensor` (here: the tensor itself)."""
+        return tensor
 
     def quantize(self, method: str | None) -> int:
         """Quantize the decoder layers' projections (`method`: one of
@@ -250,8 +274,10 @@ class CausalLM(nn.Module):
                 m.fused = ops
             if isinstance(m, Linear):
                 m.token_quantizer = getattr(ops, "quantize_fp8_tokens", None)
-        # W8A8 projections take their activations quantized by the op that makes them.
-        fuse = getattr(ops, "add_rms_norm_fp8", None) is not None
+        self._link_fp8_consumers(getattr(ops, "add_rms_norm_fp8", None) is not None)
+
+    def _link_fp8_consumers(self, fuse: bool) -> None:
+        """W8A8 projections take their activations quantized by the op that makes them."""
         for layer in self.model.layers:
             layer.input_layernorm.fp8_consumer = (layer.self_attn.qkv_proj,) if fuse else ()
             layer.post_attention_layernorm.fp8_consumer = (layer.mlp.gate_up_proj,) if fuse else ()
@@ -269,14 +295,19 @@ class CausalLM(nn.Module):
                 m.widen_fallback = enabled and not gemv_only
                 m.gemv_only = gemv_only
 
-    def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        fused = _fused(self.model.norm.fused, input_ids.shape[0])
+    def rope_rows(self, cos, sin, positions, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows of the step's positions, as the layers' RoPE takes them."""
+        cos, sin = cos[positions], sin[positions]
+        fused = _fused(self.model.norm.fused, positions.shape[0])
         if fused is None or fused.rope_ is None:
             # HF casts the fp32 tables to the activation dtype before use; so do we (the
             # fused RoPE does that cast itself).
-            cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)
+            cos, sin = cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+        return cos, sin
+
+    def forward(self, input_ids, positions, cache: KVCache, backend) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_rows(self.rope_cos, self.rope_sin, positions, x.dtype)
         stack = self._stack() if rows_qualify(input_ids.shape[0]) else None
         args = None
         if stack is not None and hasattr(backend, "stack_args"):

@@ -17,7 +17,12 @@ call's last position is below `original_max_position_embeddings`, the long ones 
 every position of the call. A sequence that outgrows the original context is thus computed
 with the long factors at all its positions (Phi-3's `generate` recomputes its cache at the
 switch), which per-position tables cannot be; engine.config refuses a context window past the
-original context for longrope, so only the short rows (`_longrope_tables`) are ever read."""
+original context for longrope, so only the short rows (`_longrope_tables`) are ever read.
+
+Gemma 3 nests its rope parameters by layer type (`rope_parameters["sliding_attention"]`: the
+local base, `["full_attention"]`: the global base with the model's scaling) and its rotary class
+takes the layer type per call; `layer_type` selects one set (engine.config refuses the
+length-dependent variants for it)."""
 
 from __future__ import annotations
 
@@ -31,34 +36,45 @@ _ROTARY_CLASSES = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2RotaryEmbedding"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3RotaryEmbedding"),
     "Phi3ForCausalLM": ("phi3", "Phi3RotaryEmbedding"),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3RotaryEmbedding"),
 }
 # Variants whose forward changes the frequencies with the sequence length (HF's
 # `dynamic_rope_update`): the class builds those.
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 
 
-def rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
-    """(cos, sin) of shape [max_position, head_dim] in float32."""
+def rope_tables(
+    hf_config, architecture: str, max_position: int, head_dim: int, layer_type: str | None = None
+):
+    """(cos, sin) of shape [max_position, head_dim] in float32; with `layer_type`, those of the
+    layers of that type (rope parameters nested by layer type: Gemma 3)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if layer_type is not None:
+        params = params[layer_type]
     rope_type = params.get("rope_type", "default") if isinstance(params, dict) else None
-    if rope_type is not None and "longrope" in rope_type:
+    if rope_type is not None and "longrope" in rope_type and layer_type is None:
         return _longrope_tables(hf_config, architecture, max_position, head_dim)
     if rope_type is None or any(t in rope_type for t in _LENGTH_DEPENDENT):
-        return hf_rope_tables(hf_config, architecture, max_position, head_dim)
-    inv_freq, scaling = _inverse_frequencies(hf_config, rope_type)
+        return hf_rope_tables(hf_config, architecture, max_position, head_dim, layer_type)
+    inv_freq, scaling = _inverse_frequencies(hf_config, rope_type, layer_type)
     positions = torch.arange(max_position, dtype=torch.long)[:, None].float()
     freqs = positions * inv_freq.float()
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).contiguous(), (emb.sin() * scaling).contiguous()
 
 
-def _inverse_frequencies(hf_config, rope_type: str) -> tuple[torch.Tensor, float]:
-    """The rotary class's `rope_init_fn(config)`: its default formula, or the variant's."""
+def _inverse_frequencies(
+    hf_config, rope_type: str, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """The rotary class's `rope_init_fn(config)`: its default formula, or the variant's (for
+    one layer type's parameters, where they are nested so)."""
+    by_type = {} if layer_type is None else {"layer_type": layer_type}
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
-    base = hf_config.rope_parameters["rope_theta"]
+        return ROPE_INIT_FUNCTIONS[rope_type](hf_config, **by_type)
+    params = hf_config.rope_parameters
+    base = (params if layer_type is None else params[layer_type])["rope_theta"]
     cfg = hf_config
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
@@ -79,16 +95,20 @@ def _longrope_tables(hf_config, architecture: str, max_position: int, head_dim: 
     return torch.cat((cos, long_cos[short:])), torch.cat((sin, long_sin[short:]))
 
 
-def hf_rope_tables(hf_config, architecture: str, max_position: int, head_dim: int):
-    """The tables from the architecture's HF rotary class (the reference)."""
+def hf_rope_tables(
+    hf_config, architecture: str, max_position: int, head_dim: int, layer_type: str | None = None
+):
+    """The tables from the architecture's HF rotary class (the reference); `layer_type` is
+    passed to a class that takes one (Gemma 3's)."""
     module, name = _ROTARY_CLASSES[architecture]
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     with torch.device("cpu"):
         rotary = getattr(mod, name)(config=hf_config)
     positions = torch.arange(max_position, dtype=torch.long)[None, :]
     x = torch.zeros(1, 1, head_dim, dtype=torch.float32)
+    by_type = () if layer_type is None else (layer_type,)
     with torch.no_grad():
-        cos, sin = rotary(x, positions)
+        cos, sin = rotary(x, positions, *by_type)
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 

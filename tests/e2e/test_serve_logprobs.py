@@ -13,7 +13,7 @@ import pytest
 import torch
 from e2e_helpers import TransferCheck
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 MODES = {"1p1d": ["--prefill", "1", "--decode", "1"], "colocated": ["--mode", "colocated"]}
 PROMPT = " ".join(["tandem serves prefill and decode pools with paged caches"] * 4)
 
@@ -29,7 +29,7 @@ def _hf(path: str):
 
 
 # Every architecture disaggregated; colocated on one (the engine-level test in
-# tests/engine/test_logprobs_and_choices.py runs all four colocated; tests/interop and
+# tests/engine/test_logprobs_and_choices.py runs them all colocated; tests/interop and
 # test_serve_parity serve llama in every mode). Each case is a server start (~15 s).
 CASES = [(a, "1p1d") for a in ARCHS] + [("qwen3", "colocated")]
 

@@ -42,7 +42,7 @@ def _prompts():
     return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])  # gemma3: per-layer scale/window
 def test_padded_decode_batches_match_hf(make_tiny_model, arch):
     path = make_tiny_model(arch)
     llm = _engine(path, eager=False)
@@ -89,8 +89,9 @@ def test_graphs_need_a_capturable_backend(make_tiny_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_captured_graphs_equal_eager_decoding(make_tiny_model):
-    path = make_tiny_model("qwen3")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_captured_graphs_equal_eager_decoding(make_tiny_model, arch):
+    path = make_tiny_model(arch)
     sps = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
     graphed = _engine(path, eager=False)
     assert graphed.engine.runner.graphs.graphs, "no graph was captured"

@@ -35,7 +35,7 @@ WRITERS = {
     "block-fp8": lambda s, d: fc.write_block_fp8(s, d),
 }
 CASES = [(w, a) for w in WRITERS if w != "block-fp8" for a in ("llama", "qwen2")]
-CASES += [("block-fp8", a) for a in ("llama", "mistral", "qwen2", "qwen3")]
+CASES += [("block-fp8", a) for a in ("llama", "mistral", "qwen2", "qwen3", "gemma3")]
 TOKENS = torch.randint(3, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
 
 

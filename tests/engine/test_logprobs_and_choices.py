@@ -13,7 +13,7 @@ from engine.llm_engine import EngineConfig, LLMEngine
 from engine.roles import DECODE, PREFILL
 from tests.kv_copy import CopyConnector
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
 
 

@@ -11,7 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 LENGTHS = [1, 2, 5, 15, 16, 17, 33, 64, 100, 150]
 MAX_TOKENS = [12, 20, 8, 24, 16, 10, 18, 14, 22, 9]
 

@@ -1,6 +1,7 @@
 """The rotary tables tandem computes itself equal the architecture's own HF rotary class bit
-for bit, for every architecture and rope variant, and computing them imports no modeling
-module (what keeps a worker's start short)."""
+for bit, for every architecture and rope variant (Gemma 3: for each layer type, its rope
+parameters nested by type), and computing them imports no modeling module (what keeps a
+worker's start short)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,15 @@ VARIANTS = {
 }
 # Phi3Config accepts only these rope types (and longrope: test_longrope_*).
 PHI3_VARIANTS = ("default", "theta-1e6")
+GEMMA3 = "Gemma3ForCausalLM"  # rope parameters per layer type: test_gemma3_tables_*
 CASES = [
     (arch, variant)
     for arch in sorted(_ROTARY_CLASSES)
     for variant in sorted(VARIANTS)
-    if arch != "Phi3ForCausalLM" or variant in PHI3_VARIANTS
+    if (arch != "Phi3ForCausalLM" or variant in PHI3_VARIANTS) and arch != GEMMA3
 ]
+# engine.config refuses the length-dependent variants for Gemma 3 (test_gemma3.py).
+GEMMA3_VARIANTS = sorted(v for v in VARIANTS if v != "dynamic")
 # Phi-3.5-mini's shape of longrope, small: per-frequency short and long factors (head_dim 32).
 LONGROPE = {
     "rope_type": "longrope",
@@ -126,3 +130,33 @@ def test_longrope_within_the_original_context_is_the_class_itself():
     cos, sin = rope_tables(cfg, "Phi3ForCausalLM", 128, 32)
     ref_cos, ref_sin = hf_rope_tables(cfg, "Phi3ForCausalLM", 128, 32)
     assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+
+
+def _gemma3_config(full: dict, sliding: dict):
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(
+        hidden_size=96,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=1024,
+        rope_parameters={"full_attention": dict(full), "sliding_attention": dict(sliding)},
+    )
+
+
+@pytest.mark.parametrize("variant", GEMMA3_VARIANTS)
+def test_gemma3_tables_equal_the_hf_class_per_layer_type(variant):
+    """Full layers with each variant, sliding layers with the default rope of another base:
+    each type's tables are the class's for that type, and the two differ."""
+    cfg = _gemma3_config(VARIANTS[variant], {"rope_type": "default", "rope_theta": 777.0})
+    tables = {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        cos, sin = rope_tables(cfg, GEMMA3, 1024, 32, layer_type)
+        ref_cos, ref_sin = hf_rope_tables(cfg, GEMMA3, 1024, 32, layer_type)
+        assert cos.shape == (1024, 32) and cos.dtype == torch.float32
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin), layer_type
+        tables[layer_type] = cos
+    assert not torch.equal(tables["full_attention"], tables["sliding_attention"])

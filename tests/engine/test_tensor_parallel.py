@@ -108,11 +108,12 @@ def _check_tp(path, tp: int, hf: bool = True, w8a8: bool = False, **settings) ->
     return llm
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_tp2_matches_hf_and_tp1(make_tiny_model, arch):
     """llama: GQA 4/2, llama3 rope; mistral: MHA; qwen2: qkv bias, tied embeddings; qwen3:
     q/k norms and one KV head (so each of the two ranks keeps a copy of it); phi3: q/k/v and
-    gate/up stored fused, each cut part by part (`Shard.fused_rows`)."""
+    gate/up stored fused, each cut part by part (`Shard.fused_rows`); gemma3: (1 + w) norms
+    replicated, the post-attention norm after the o_proj all-reduce, per-layer windows."""
     _check_tp(make_tiny_model(arch), 2)
 
 
