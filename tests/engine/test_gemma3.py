@@ -9,7 +9,6 @@ with the config field named (and a gemma3 GGUF file by its architecture)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import sys
@@ -17,8 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_variants import check_greedy as _check_greedy
+from checkpoint_variants import random_prompts
+from checkpoint_variants import variant as _variant
 from test_logprobs_and_choices import _check_entry, _hf_logprobs
-from test_parity_hf import hf_greedy
 
 from engine import LLM, SamplingParams, kernels
 from engine.config import ModelConfig
@@ -33,28 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(lengths=LENGTHS, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
-
-
-def _variant(src: Path, dst: Path, weights: bool = True, **config) -> Path:
-    """A copy of checkpoint `src` at `dst` with config.json's `config` keys set (None: null,
-    which transformers reads as unset) and, unless not `weights`, its weights and tokenizer."""
-    if weights:
-        shutil.copytree(src, dst)
-    else:
-        dst.mkdir(parents=True)
-        shutil.copy(src / "config.json", dst / "config.json")
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
-def _check_greedy(llm: LLM, path: Path, prompts, max_tokens: int = 12) -> None:
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for p, out in zip(prompts, llm.generate(prompts, sp), strict=True):
-        assert out.token_ids == hf_greedy(path, p, max_tokens), f"prompt of {len(p)} diverged"
+    return random_prompts(lengths, seed)
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,14 @@ with the setting named."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_variants import check_greedy as _check_greedy
+from checkpoint_variants import random_prompts as _prompts
+from checkpoint_variants import variant as _variant
 from safetensors.torch import load_file, save_file
 from test_parity_hf import hf_greedy
 
@@ -32,31 +34,6 @@ LONGROPE = {
     "long_factor": [1.5 + 0.5 * i for i in range(16)],
     "original_max_position_embeddings": 64,
 }
-
-
-def _prompts(lengths, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 1000, (n,), generator=g).tolist() for n in lengths]
-
-
-def _variant(src: Path, dst: Path, weights: bool = True, **config) -> Path:
-    """A copy of checkpoint `src` at `dst` with config.json's `config` keys set (without its
-    weights unless `weights`: enough for ModelConfig)."""
-    if weights:
-        shutil.copytree(src, dst)
-    else:
-        dst.mkdir(parents=True)
-        shutil.copy(src / "config.json", dst / "config.json")
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
-
-
-def _check_greedy(llm: LLM, path: Path, prompts, max_tokens: int) -> None:
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for p, out in zip(prompts, llm.generate(prompts, sp), strict=True):
-        assert out.token_ids == hf_greedy(path, p, max_tokens), f"prompt of {len(p)} diverged"
 
 
 @pytest.fixture(scope="module")

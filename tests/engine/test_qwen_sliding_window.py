@@ -6,26 +6,17 @@ with one window, is skipped for such a model)."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from test_parity_hf import hf_greedy
+from checkpoint_variants import check_greedy, random_prompts
+from checkpoint_variants import variant as _variant
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.config import FULL, SLIDING, ModelConfig
 
 WINDOW = 16
-
-
-def _variant(src: Path, dst: Path, **config) -> Path:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(config)
-    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    return dst
 
 
 def _windowed(src: Path, dst: Path, types: list[str], max_window_layers: int) -> Path:
@@ -62,11 +53,7 @@ def test_only_the_sliding_layers_window_matches_hf(mixed, chunked):
         mixed, dtype="float32", enable_chunked_prefill=chunked,
         max_num_batched_tokens=32 if chunked else 128, enable_prefix_caching=False,
     )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (60, 5, 23, 40)]
-    sp = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    for p, out in zip(prompts, llm.generate(prompts, sp), strict=True):
-        assert out.token_ids == hf_greedy(mixed, p, 16), f"prompt of {len(p)} diverged"
+    check_greedy(llm, mixed, random_prompts((60, 5, 23, 40)), 16)
 
 
 def test_the_layer_types_change_transformers_output(make_tiny_model, mixed, tmp_path):
