@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.slo import SloTargets
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -226,13 +228,6 @@ def summarize(values_s: Sequence[float]) -> LatencyStats:
     return LatencyStats(float(ms.mean()), p50, p90, p99, int(ms.size))
 
 
-def ttft_target_ms(slo_ttft_ms: float, per_1k_ms: float, prompt_len: int) -> float:
-    """A request's TTFT target: the base plus an allowance per 1k prompt tokens (DistServe and
-    Mooncake judge a long prompt by its length; 0: one target for every prompt). The planner
-    (cluster/planner/sizing.py) and the simulator's attainment use the same rule."""
-    return slo_ttft_ms + per_1k_ms * prompt_len / 1000.0
-
-
 def meets_slo(
     record: RequestRecord,
     slo_ttft_ms: float | None,
@@ -242,15 +237,11 @@ def meets_slo(
 ) -> bool:
     if not record.ok:
         return False
-    if slo_ttft_ms is not None and record.ttft_s * 1000.0 > ttft_target_ms(
-        slo_ttft_ms, slo_ttft_ms_per_1k, record.prompt_len
-    ):
-        return False
     if slo_e2el_ms is not None and record.e2e_s * 1000.0 > slo_e2el_ms:
         return False
-    tpot = record.tpot_s
-    # A single-token output has no TPOT and so cannot break a TPOT SLO.
-    return slo_tpot_ms is None or tpot is None or tpot * 1000.0 <= slo_tpot_ms
+    # The router's SLO metrics, the planner and the simulator judge by the same rule.
+    targets = SloTargets(slo_ttft_ms, slo_ttft_ms_per_1k, slo_tpot_ms)
+    return targets.judge(record.prompt_len, record.ttft_s, record.tpot_s) == "met"
 
 
 def compute_metrics(

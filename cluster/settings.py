@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from cluster.planner.config import PlannerConfig
 from decode_worker.server import FAILURE_POLICIES
 from engine.config_flags import field_default, setting
 from engine.llm_engine import EngineConfig
@@ -24,6 +25,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MAX_TP = 16
 
 
+# The router's SLO metrics judge by the targets the planner sizes for: `tandem serve` passes
+# the planner's --slo-* values (set or default) to the router.
+SLO_FIELDS = ("slo_ttft_ms", "slo_ttft_ms_per_1k", "slo_tpot_ms")
 # RouterConfig fields that `tandem serve` sets itself (from its own settings or the engine's),
 # so they are not offered again in the router flag group.
 ROUTER_FIELDS_FROM_SERVE = frozenset(
@@ -40,6 +44,7 @@ ROUTER_FIELDS_FROM_SERVE = frozenset(
         "default_block_size",
         "tokenizer",
         "scheduling_policy",
+        *SLO_FIELDS,
     }
 )
 # PlannerConfig fields `tandem serve` sets from its own settings (one flag, one meaning).
@@ -364,4 +369,8 @@ class ServeSettings:
             scheduling_policy=self.engine.get(
                 "scheduling_policy", field_default(EngineConfig, "scheduling_policy")
             ),
+            **{name: self._planner_value(name) for name in SLO_FIELDS},
         )
+
+    def _planner_value(self, name: str):
+        return self.planner.get(name, field_default(PlannerConfig, name))

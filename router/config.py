@@ -17,6 +17,7 @@ from engine.config_flags import add_flags, setting, values_from_args
 from engine.gguf_file import is_gguf, served_name
 from engine.model_info import load_chat_template
 from engine.protocol import SCHEDULING_POLICIES
+from engine.slo import SloTargets
 from router.cors import parse_origins
 from router.reasoning import REASONING_PARSERS
 from router.tools import TOOL_FORMATS
@@ -144,6 +145,19 @@ class RouterConfig:
         2.0, "seconds per planner signal window pushed to the controller (0: none pushed)"
     )
 
+    # Service-level targets (engine/slo.py): each request served to its end is counted in
+    # /metrics' tandem_slo_requests as met or missed. `tandem serve` sets them from the
+    # planner's --slo-* flags, so the pools are sized for the targets the metrics judge by.
+    slo_ttft_ms: float | None = setting(
+        None, "time-to-first-token target the SLO metrics judge by, ms (none: not judged)"
+    )
+    slo_ttft_ms_per_1k: float = setting(
+        0.0, "TTFT allowance per 1k prompt tokens on top of --slo-ttft-ms, ms (0: one target)"
+    )
+    slo_tpot_ms: float | None = setting(
+        None, "time-per-output-token target the SLO metrics judge by, ms (none: not judged)"
+    )
+
     # /v1/responses (router/response_store.py): responses kept for previous_response_id.
     responses_max_stored: int = setting(
         1024, "/v1/responses kept for previous_response_id and GET (LRU; 0: none kept)"
@@ -187,7 +201,12 @@ class RouterConfig:
             self.chat_template = load_chat_template(self.chat_template)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        self.slo_targets()  # refuses a bad target by name
         self._check_limits()
+
+    def slo_targets(self) -> SloTargets:
+        """The targets each request is judged by (engine/slo.py's rule)."""
+        return SloTargets(self.slo_ttft_ms, self.slo_ttft_ms_per_1k, self.slo_tpot_ms)
 
     def _check_limits(self) -> None:
         positive = (

@@ -394,6 +394,9 @@ class Generation:
         if self._first_at is not None and self.num_tokens > 1:
             tpot = (end - self._first_at) / (self.num_tokens - 1)
             metrics.tpot.observe(tpot)
+        if self._first_at is not None:
+            ttft = self._first_at - self.arrival
+            metrics.observe_slo(len(self.parsed.prompt_ids), ttft, tpot)
         if self.ctx.signals is not None:
             self.ctx.signals.note_finished([c.num_tokens for c in self.choices], tpot)
 

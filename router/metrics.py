@@ -5,7 +5,10 @@ the admission queue gauges read `AdmissionControl` at scrape time (`track_queue`
 request length histograms and the uncached prompt token counter are fed by the planner's
 signal recorder (router/signal_recorder.py); the planner's own gauges and decision counters
 come from the latest status the router fetched from the controller (`track_planner`,
-router/planner_status.py).
+router/planner_status.py). With SLO targets set (`--slo-ttft-ms`, `--slo-ttft-ms-per-1k`,
+`--slo-tpot-ms`; `tandem serve` passes the planner's), every request served to its end is
+counted in `tandem_slo_requests{result}` by engine/slo.py's rule, the one `tandem simulate`'s
+attainment and `tandem bench serve`'s goodput use.
 Per-worker numbers (queue depth, running, KV blocks, transfer totals) are read at scrape time
 from the latest directory snapshot by `WorkerCollector`, so they are never staler than the
 router's own view. Transfer totals are worker-side cumulative counts (WorkerLoad.extra keys
@@ -28,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.roles import COLOCATED, DECODE, PREFILL
+from engine.slo import SLO_RESULTS, SloTargets
 from router.directory import DOWN, READY, WORKER_STATES, WorkerInfo
 from router.planner_status import PlannerCollector, PlannerStatus
 from router.routing import LOCAL, REMOTE
@@ -304,30 +308,13 @@ class KVIndexCollector:
 
 
 class RouterMetrics:
-    def __init__(self, snapshot: Callable[[], list[WorkerInfo]]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], list[WorkerInfo]], slo: SloTargets | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
-        self.ttft = Histogram(
-            "tandem_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
-        )
-        self.tpot = Histogram(
-            "tandem_tpot_seconds",
-            "Mean time per output token after the first, per request",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.itl = Histogram(
-            "tandem_itl_seconds",
-            "Time between consecutive token deliveries",
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.e2e = Histogram(
-            "tandem_e2e_seconds",
-            "Request latency, arrival to last token",
-            buckets=_E2E_BUCKETS,
-            registry=r,
-        )
+        self.slo = slo or SloTargets()
+        self._add_latency_metrics(r)
         self.requests = Counter(
             "tandem_requests", "Finished requests by status", ["status"], registry=r
         )
@@ -361,6 +348,8 @@ class RouterMetrics:
         for path in (LOCAL, REMOTE):
             self.disagg.labels(path=path)
         self._add_admission_metrics(r)
+        if self.slo.judged:
+            self._add_slo_metrics(r)
         r.register(WorkerCollector(snapshot))
         self._add_planner_metrics(r)
 
@@ -386,6 +375,61 @@ class RouterMetrics:
             "Arrived prompt tokens the prefix cache did not serve (estimated per signal window)",
             registry=r,
         )
+
+    def _add_latency_metrics(self, r: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "tandem_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "tandem_tpot_seconds",
+            "Mean time per output token after the first, per request",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem_itl_seconds",
+            "Time between consecutive token deliveries",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem_e2e_seconds",
+            "Request latency, arrival to last token",
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+
+    def _add_slo_metrics(self, r: CollectorRegistry) -> None:
+        # Attainment is met / all: the share the planner sizes for and that `tandem simulate`
+        # and `tandem bench serve` report, judged by the same rule (engine/slo.py).
+        self.slo_requests = Counter(
+            "tandem_slo_requests",
+            "Requests served to their end, by how they fared against the SLO targets (TTFT "
+            "with its allowance per 1k prompt tokens; TPOT)",
+            ["result"],
+            registry=r,
+        )
+        for result in SLO_RESULTS:
+            self.slo_requests.labels(result=result)
+        targets = Gauge(
+            "tandem_slo_target_seconds",
+            "The SLO targets requests are judged by (a target not judged is absent)",
+            ["target"],
+            registry=r,
+        )
+        slo = self.slo
+        for name, ms in (
+            ("ttft", slo.ttft_ms),
+            ("ttft_per_1k_prompt_tokens", slo.ttft_ms_per_1k if slo.ttft_ms is not None else None),
+            ("tpot", slo.tpot_ms),
+        ):
+            if ms is not None:
+                targets.labels(target=name).set(ms / 1000.0)
+
+    def observe_slo(self, prompt_len: int, ttft_s: float, tpot_s: float | None) -> None:
+        """Count one request served to its end against the targets (none set: nothing)."""
+        if self.slo.judged:
+            self.slo_requests.labels(result=self.slo.judge(prompt_len, ttft_s, tpot_s)).inc()
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.rejected = Counter(

@@ -109,7 +109,7 @@ class RouterServer:
         self.model_info = model_info
         self.parser: RequestParser | None = None
         self.port: int | None = None
-        self.metrics = RouterMetrics(lambda: self.pool.workers)
+        self.metrics = RouterMetrics(lambda: self.pool.workers, config.slo_targets())
         self.dataplane = DataPlane(
             bind_host=config.bind_host,
             port=config.zmq_port,

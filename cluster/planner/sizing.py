@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 from bench.capacity_profile import CapacityProfile
 from bench.prefill_cost import PrefillCost
+from engine.slo import ttft_target
 
 from .demand import LengthDist, Workload
 
@@ -60,7 +61,7 @@ class Targets:
     # for a tight target; less where requests may queue within their TTFT target, which
     # then also absorbs the rate's error that the utilisation headroom is kept for.
     queue_share: float = 1.0
-    # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms's rule).
+    # TTFT allowance per 1k prompt tokens (engine.slo.ttft_target's rule).
     ttft_per_1k_s: float = 0.0
     # A backlog drains within this or the TTFT target, the longer (README "The model")
     backlog_drain_s: float = 0.0
@@ -72,7 +73,7 @@ class Targets:
     def ttft_goal_for(self, prompt_tokens: float) -> float:
         """The TTFT goal of a prompt of this many tokens: its target (the base plus the
         per-1k allowance) less the headroom."""
-        return (self.slo_ttft_s + self.ttft_per_1k_s * prompt_tokens / 1000) * (1 - self.headroom)
+        return ttft_target(self.slo_ttft_s, self.ttft_per_1k_s, prompt_tokens) * (1 - self.headroom)
 
     @property
     def tpot_goal(self) -> float:

@@ -43,6 +43,7 @@ from cluster.simulator.workers import (
     PrefillWorker,
     Worker,
 )
+from engine.slo import ttft_target
 
 
 class SimCluster:
@@ -245,7 +246,7 @@ class SimCluster:
 
     def _ttft_target_s(self, flight: Flight) -> float:
         """The request's TTFT target (run.SimConfig.ttft_target_s: base + per-1k allowance)."""
-        return self.slo_ttft_s + self.slo_ttft_per_1k_s * flight.request.prompt_len / 1000.0
+        return ttft_target(self.slo_ttft_s, self.slo_ttft_per_1k_s, flight.request.prompt_len)
 
     # -- state at a window's end (what the planner reads besides the traffic) -------------------
     def queue_state(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ from cluster.simulator.events import (
 from cluster.simulator.traces import SimRequest
 from cluster.simulator.window import WindowRecorder
 from cluster.simulator.workers import Worker
+from engine.slo import ttft_target
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class SimConfig:
 
     slo_ttft_s: float = 1.0
     slo_tpot_s: float = 0.1
-    # TTFT allowance per 1k prompt tokens (bench.metrics.ttft_target_ms: the same rule as
+    # TTFT allowance per 1k prompt tokens (engine.slo.ttft_target: the same rule as
     # `tandem bench serve`'s goodput and the planner's sizing); 0: one target for all.
     slo_ttft_per_1k_s: float = 0.0
     interval_s: float = 10.0
@@ -71,7 +72,7 @@ class SimConfig:
 
     def ttft_target_s(self, prompt_len: int) -> float:
         """A request's TTFT target: the base plus the allowance for its prompt's length."""
-        return self.slo_ttft_s + self.slo_ttft_per_1k_s * prompt_len / 1000.0
+        return ttft_target(self.slo_ttft_s, self.slo_ttft_per_1k_s, prompt_len)
 
     @classmethod
     def for_planner(cls, planner: PlannerConfig, **settings) -> SimConfig:

@@ -33,10 +33,11 @@ class FlashAttentionBackend:
         self._with_kvcache = flash_attn_with_kvcache
         self.scale = scale
         self.sliding_window = sliding_window
+        self._default_attention = LayerAttention(scale, sliding_window)  # built once, not per layer
 
     def forward(self, layer, q, k, v, cache: KVCache, attn=None) -> torch.Tensor:
         if attn is None:
-            attn = LayerAttention(self.scale, self.sliding_window)
+            attn = self._default_attention
         scale, window = attn.scale, _window(attn.window)
         meta = get_forward_context()
         cache.write(layer, meta.slot_mapping, k, v)

@@ -56,6 +56,9 @@ class TorchAttentionBackend:
     def __init__(self, scale: float, sliding_window: int | None = None, cpu_kernel: bool = True):
         self.scale = scale
         self.sliding_window = sliding_window
+        # Built once: a model that passes no per-layer attention reads this on every layer
+        # of every step.
+        self._default_attention = LayerAttention(scale, sliding_window)
         # The compiled paged decode for CPU (None: the gather reference below is used).
         self._kernel = kernels.get("paged_decode") if cpu_kernel else None
         self._cache_write = kernels.get("cache_write") if cpu_kernel else None
@@ -66,7 +69,7 @@ class TorchAttentionBackend:
 
     def layer_attention(self, attn: LayerAttention | None) -> LayerAttention:
         """The scale and window a call attends with: the layer's, else the backend's."""
-        return attn if attn is not None else LayerAttention(self.scale, self.sliding_window)
+        return attn if attn is not None else self._default_attention
 
     def forward(self, layer, q, k, v, cache: KVCache, attn=None) -> torch.Tensor:
         attn = self.layer_attention(attn)

@@ -15,8 +15,8 @@ from bench.metrics import (
     request_tpot,
     spread_tokens,
     summarize,
-    ttft_target_ms,
 )
+from engine.slo import ttft_target
 
 
 def ok_record(
@@ -185,7 +185,7 @@ def test_slo_boundary_is_inclusive_and_failures_never_meet_it():
 def test_a_per_1k_allowance_judges_a_long_prompt_by_its_length():
     short = ok_record(0, ttft=0.9, e2e=1.0, out=1, prompt=500)
     long = ok_record(1, ttft=5.0, e2e=5.1, out=1, prompt=20_000)
-    assert ttft_target_ms(1000.0, 250.0, 20_000) == 6000.0
+    assert ttft_target(1000.0, 250.0, 20_000) == 6000.0
     assert meets_slo(long, 1000.0, None, slo_ttft_ms_per_1k=250.0)
     assert not meets_slo(long, 1000.0, None)  # one target for every prompt: a miss
     m = compute_metrics([short, long], 1.0, 1000.0, None, slo_ttft_ms_per_1k=250.0)

@@ -9,11 +9,14 @@ import dataclasses
 import pytest
 
 from cluster import cli
+from cluster.planner.config import PlannerConfig
 from cluster.serve import Deployment, ServeSettings, settings_from_args
+from cluster.settings import SLO_FIELDS
 from engine.config_flags import cli_fields, flag_name
 from engine.llm_engine import EngineConfig
 from engine.quantization import resolve
 from engine.roles import COLOCATED, DECODE, PREFILL
+from engine.slo import SloTargets
 from router.config import RouterConfig
 
 
@@ -54,7 +57,23 @@ def test_defaults_come_from_the_dataclasses():
     router = s.router_config("127.0.0.1")
     plain = RouterConfig(model_path="/m", max_frame_bytes=16 << 20)
     for f in dataclasses.fields(RouterConfig):
+        if f.name in SLO_FIELDS:  # the planner's, below
+            continue
         assert getattr(router, f.name) == getattr(plain, f.name), f.name
+    # The router's SLO metrics judge by the planner's targets, defaults included.
+    planner = PlannerConfig()
+    assert [getattr(router, n) for n in SLO_FIELDS] == [getattr(planner, n) for n in SLO_FIELDS]
+
+
+def test_the_planner_slo_flags_reach_the_router_metrics():
+    s = settings_from_args(
+        _parse("--slo-ttft-ms", "250", "--slo-ttft-ms-per-1k", "40", "--slo-tpot-ms", "35")
+    )
+    router = s.router_config("127.0.0.1")
+    assert router.slo_targets() == SloTargets(250.0, 40.0, 35.0)
+    planner = PlannerConfig(**s.planner)  # the planner sizes for the same targets
+    assert (planner.slo_ttft_ms, planner.slo_ttft_ms_per_1k, planner.slo_tpot_ms) == (250, 40, 35)
+    assert "--slo-ttft-ms" in _option_strings()  # once: the planner's flag, not the router's
 
 
 def test_router_flags_reach_the_router_config():

@@ -41,6 +41,7 @@ POOLS = ("prefill", "decode")
 # autoscaling.planner's values and the `tandem serve` flag each becomes (the issue's spelling).
 PLANNER_FLAGS = {
     "sloTtftMs": "--slo-ttft-ms",
+    "sloTtftMsPer1k": "--slo-ttft-ms-per-1k",
     "sloTpotMs": "--slo-tpot-ms",
     "intervalS": "--interval-s",
     "minPrefill": "--min-prefill",
@@ -56,6 +57,7 @@ PLANNER_ONLY = {"--autoscale", "--capacity-profile", *PLANNER_FLAGS.values()}
 ALL_SET = {
     "autoscaling.planner.enabled": "true",
     "autoscaling.planner.sloTtftMs": "750",
+    "autoscaling.planner.sloTtftMsPer1k": "12.5",
     "autoscaling.planner.sloTpotMs": "42.5",
     "autoscaling.planner.intervalS": "7.5",
     "autoscaling.planner.minPrefill": "3",
@@ -84,7 +86,7 @@ def _set_args(values: dict[str, str]) -> list[str]:
 
 def _flag(key: str) -> str:
     """The flag the chart derives from a camelCase value name (sloTtftMs -> --slo-ttft-ms)."""
-    return "--" + re.sub(r"(?<!^)([A-Z])", r"-\1", key).lower()
+    return "--" + re.sub(r"(?<!^)([A-Z]|(?<=[a-z])\d)", r"-\1", key).lower()
 
 
 def _defaults() -> dict[str, Any]:

@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.protocol import WorkerLoad
+from engine.slo import SloTargets
 from router.directory import WorkerInfo
 from router.metrics import RouterMetrics
 
@@ -106,7 +107,9 @@ def _worker(worker_id: str, role: str, free: int) -> WorkerInfo:
 def scrape() -> dict[Series, float]:
     """The router's /metrics as Prometheus stores it: every sample, with the target labels."""
     workers = [_worker("p0", "prefill", 25), _worker("d0", "decode", 60)]
-    m = RouterMetrics(lambda: workers)
+    # With the SLO targets `tandem serve` always passes (the planner's), so the SLO series exist.
+    m = RouterMetrics(lambda: workers, SloTargets(ttft_ms=1000.0, tpot_ms=100.0))
+    m.observe_slo(prompt_len=100, ttft_s=0.2, tpot_s=0.012)
     m.ttft.observe(0.2)
     m.itl.observe(0.01)
     m.tpot.observe(0.012)
@@ -349,6 +352,7 @@ def test_dashboard_queries_read_exported_series(exported: dict[str, set[str]]) -
         "tandem_prefix_cache_query_tokens_total",
         "tandem_kv_transfer_bytes_total",
         "tandem_kv_transfer_failures_total",
+        "tandem_slo_requests_total",
     ):
         assert needed in names, needed
     for labels in ("role", "finish_reason"):

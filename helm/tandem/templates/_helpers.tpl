@@ -357,7 +357,7 @@ tandem serve --model {{ include "tandem.modelPath" . | quote }} --served-model-n
 default. */}}
 {{- define "tandem.plannerArgs" -}}
 {{- $p := .Values.autoscaling.planner -}}
---autoscale --capacity-profile {{ include "tandem.capacityProfilePath" . | quote }} --slo-ttft-ms {{ $p.sloTtftMs }} --slo-tpot-ms {{ $p.sloTpotMs }} --interval-s {{ $p.intervalS }} --min-prefill {{ int $p.minPrefill }} --max-prefill {{ int $p.maxPrefill }} --min-decode {{ int $p.minDecode }} --max-decode {{ int $p.maxDecode }}
+--autoscale --capacity-profile {{ include "tandem.capacityProfilePath" . | quote }} --slo-ttft-ms {{ $p.sloTtftMs }} --slo-ttft-ms-per-1k {{ $p.sloTtftMsPer1k }} --slo-tpot-ms {{ $p.sloTpotMs }} --interval-s {{ $p.intervalS }} --min-prefill {{ int $p.minPrefill }} --max-prefill {{ int $p.maxPrefill }} --min-decode {{ int $p.minDecode }} --max-decode {{ int $p.maxDecode }}
 {{- if not (kindIs "invalid" $p.gpuBudget) }} --gpu-budget {{ int $p.gpuBudget }}{{ end }}
 {{- if not (kindIs "invalid" $p.startupS) }} --startup-s {{ $p.startupS }}{{ end }}
 {{- if not (kindIs "invalid" $p.downCooldownS) }} --down-cooldown-s {{ $p.downCooldownS }}{{ end }}
