@@ -14,6 +14,8 @@ import urllib.request
 import pytest
 import zmq
 
+from engine.slo import SLO_RESULTS
+
 
 @pytest.fixture(scope="module")
 def server(start_serve, e2e_model):
@@ -25,6 +27,11 @@ def server(start_serve, e2e_model):
         "8",
         "--max-frame-mb",
         "1",
+        # The planner's SLO flags reach the router's SLO metrics, --autoscale or not.
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "60000",
     ) as sp:
         yield sp
 
@@ -205,3 +212,16 @@ def test_kv_events_route_a_next_turn_by_what_the_decode_worker_holds(server):
     assert delta('tandem_kv_routing_hit_tokens_total{pool="decode"}') == 48
     hits = server.wait_counter("tandem_prefix_cache_hit_tokens_total", "decode", hits_before + 48)
     assert hits - hits_before == 48
+
+
+def test_slo_metrics_count_each_request_served_against_the_serve_flags(server):
+    metrics = server.metrics()
+    assert metrics['tandem_slo_target_seconds{target="ttft"}'] == 60.0
+    assert metrics['tandem_slo_target_seconds{target="tpot"}'] == 60.0
+    before = {r: metrics[f'tandem_slo_requests_total{{result="{r}"}}'] for r in SLO_RESULTS}
+    _completion_ok(server)
+    _completion_ok(server)
+    after = server.metrics()
+    counted = {r: after[f'tandem_slo_requests_total{{result="{r}"}}'] - before[r] for r in before}
+    # A minute for each target: both requests met them (a tiny model on a CPU).
+    assert counted == {"met": 2.0, "missed_ttft": 0.0, "missed_tpot": 0.0, "missed_both": 0.0}
