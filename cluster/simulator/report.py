@@ -49,6 +49,7 @@ def summarize(result: SimResult, gpus_per_worker: int | dict[str, int] = 1) -> d
         "finished": result.finished,
         "unfinished": result.requests - result.finished,
         "met": result.met,
+        "slo_results": result.slo_results(),
         "attainment": result.attainment,
         "gpu_hours": result.gpu_hours,
         "gpu_hours_by_pool": gpu_hours_by_pool(result, gpus_per_worker),
@@ -103,7 +104,15 @@ def write_json(doc: dict, path: Path) -> Path:
     return path
 
 
-TABLE_COLUMNS = ("policy", "attain", "GPU-h", "TTFT p50/p90/p99 ms", "TPOT p50/p90/p99 ms", "done")
+TABLE_COLUMNS = (
+    "policy",
+    "attain",
+    "missed TTFT/TPOT/both",
+    "GPU-h",
+    "TTFT p50/p90/p99 ms",
+    "TPOT p50/p90/p99 ms",
+    "done",
+)
 
 
 def table_row(s: dict) -> tuple[str, ...]:
@@ -113,6 +122,7 @@ def table_row(s: dict) -> tuple[str, ...]:
     return (
         s["policy"],
         f"{s['attainment']:.2%}",
+        "/".join(str(s["slo_results"][k]) for k in ("missed_ttft", "missed_tpot", "missed_both")),
         f"{s['gpu_hours']:.2f}",
         trio(s["ttft_ms"]),
         trio(s["tpot_ms"]),

@@ -33,7 +33,7 @@ from cluster.simulator.events import (
 from cluster.simulator.traces import SimRequest
 from cluster.simulator.window import WindowRecorder
 from cluster.simulator.workers import Worker
-from engine.slo import ttft_target
+from engine.slo import SLO_RESULTS, SloTargets, ttft_target
 
 
 @dataclass(slots=True)
@@ -141,18 +141,26 @@ class SimResult:
     def requests(self) -> int:
         return len(self.ttft_s)
 
+    def slo_results(self) -> dict[str, int]:
+        """Requests per engine.slo.SLO_RESULTS (the router's `tandem_slo_requests` labels),
+        judged by the router's rule; a request that never got its first token (NaN) misses
+        its TTFT, one that never finished its TPOT."""
+        cfg = self.config
+        targets = SloTargets(
+            cfg.slo_ttft_s * 1e3, cfg.slo_ttft_per_1k_s * 1e3, cfg.slo_tpot_s * 1e3
+        )
+        prompts = self.prompt_lens or [0] * len(self.ttft_s)
+        counts = dict.fromkeys(SLO_RESULTS, 0)
+        for ttft, tpot, n, p in zip(
+            self.ttft_s, self.tpot_s, self.output_lens, prompts, strict=True
+        ):
+            counts[targets.judge(p, ttft, tpot if n > 1 else None)] += 1
+        return counts
+
     @property
     def met(self) -> int:
         """Requests meeting both targets (unfinished ones miss)."""
-        cfg = self.config
-        prompts = self.prompt_lens or [0] * len(self.ttft_s)
-        return sum(
-            1
-            for ttft, tpot, n, p in zip(
-                self.ttft_s, self.tpot_s, self.output_lens, prompts, strict=True
-            )
-            if ttft <= cfg.ttft_target_s(p) and (tpot <= cfg.slo_tpot_s if n > 1 else True)
-        )
+        return self.slo_results()["met"]
 
     @property
     def attainment(self) -> float:

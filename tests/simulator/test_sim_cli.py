@@ -57,6 +57,10 @@ def test_a_static_run_writes_its_table_json_and_plot(small_trace, profile_path, 
     assert (out / TIMELINE_PNG).stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "static:1:2" in table and "400/400" in table
+    results = s["slo_results"]
+    assert sum(results.values()) == 400 and results["met"] == s["met"]
+    misses = f"{results['missed_ttft']}/{results['missed_tpot']}/{results['missed_both']}"
+    assert "missed TTFT/TPOT/both" in table and misses in table
 
 
 def test_the_planner_runs_in_the_simulator_with_its_reasons(small_trace, profile_path, tmp_path):

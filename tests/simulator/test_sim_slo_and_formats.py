@@ -32,6 +32,12 @@ def test_a_per_1k_allowance_lets_a_long_prompt_meet_its_target():
     cfg = SimConfig(slo_ttft_s=base / 1000, slo_tpot_s=10.0)
     r = simulate(reqs, make_profile(), FixedPolicy(prefill=1, decode=1), cfg)
     assert r.met == 1
+    # Counted by the router's labels (engine.slo.SLO_RESULTS), as `tandem_slo_requests` is.
+    assert r.slo_results() == {"met": 1, "missed_ttft": 1, "missed_tpot": 0, "missed_both": 0}
+    no_tpot = SimConfig(slo_ttft_s=base / 1000, slo_tpot_s=1e-9)  # 2-token answers: miss
+    assert simulate(
+        reqs, make_profile(), FixedPolicy(prefill=1, decode=1), no_tpot
+    ).slo_results() == {"met": 0, "missed_ttft": 0, "missed_tpot": 1, "missed_both": 1}
     # ...and with an allowance per 1k tokens that covers its extra time, both meet.
     per_1k = (ttfts[1] - ttfts[0]) / 8.0 + 1e-3
     cfg = SimConfig(slo_ttft_s=base / 1000, slo_tpot_s=10.0, slo_ttft_per_1k_s=per_1k)
