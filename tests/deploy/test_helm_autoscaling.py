@@ -474,5 +474,13 @@ def test_notes_show_the_planners_bounds(helm: Helm) -> None:
     assert "`tandem serve --autoscale`" in notes
     assert f"between {p['minPrefill']}-{p['maxPrefill']} prefill and" in notes
     assert f"{p['minDecode']}-{p['maxDecode']} decode workers ({p['gpuBudget']} GPUs" in notes
+    assert f"for TTFT <= {p['sloTtftMs']} ms and TPOT" in notes  # no allowance in the example
+    assert "tandem_slo_requests_total{result}" in notes
+    per_1k = helm.run(
+        "install", "tandem", CHART, "--namespace", "tandem", "--dry-run=client", "-f", EXAMPLE,
+        "--set-json", "autoscaling.planner.sloTtftMsPer1k=250",
+    )  # fmt: skip
+    assert per_1k.returncode == 0, per_1k.stderr
+    assert f"TTFT <= {p['sloTtftMs']} ms + 250 ms per 1k prompt tokens" in per_1k.stdout
     # The pod counts shown are the derived ones (one GPU per pod in the example).
     assert f"({p['minPrefill']}-{p['maxPrefill']} prefill pods," in notes
