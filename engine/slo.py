@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 # How a served request fared against the targets (the router's `tandem_slo_requests` label).
 SLO_RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both")
+# Requests the router took and did not serve, which miss every target: failed after
+# admission (a worker error, a timeout) or refused (429 queue full, 503 draining or no
+# workers). Client cancellations are neither.
+SLO_UNSERVED = ("failed", "refused")
 
 
 def ttft_target(base: float, per_1k: float, prompt_len: float) -> float:

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.roles import COLOCATED, DECODE, PREFILL
-from engine.slo import SLO_RESULTS, SloTargets
+from engine.slo import SLO_RESULTS, SLO_UNSERVED, SloTargets
 from router.directory import DOWN, READY, WORKER_STATES, WorkerInfo
 from router.planner_status import PlannerCollector, PlannerStatus
 from router.routing import LOCAL, REMOTE
@@ -404,12 +404,13 @@ class RouterMetrics:
         # and `tandem bench serve` report, judged by the same rule (engine/slo.py).
         self.slo_requests = Counter(
             "tandem_slo_requests",
-            "Requests served to their end, by how they fared against the SLO targets (TTFT "
-            "with its allowance per 1k prompt tokens; TPOT)",
+            "Requests by how they fared against the SLO targets (TTFT with its allowance per "
+            "1k prompt tokens; TPOT): met or missed when served to their end, else failed "
+            "(after admission) or refused (429/503)",
             ["result"],
             registry=r,
         )
-        for result in SLO_RESULTS:
+        for result in (*SLO_RESULTS, *SLO_UNSERVED):
             self.slo_requests.labels(result=result)
         targets = Gauge(
             "tandem_slo_target_seconds",
@@ -430,6 +431,22 @@ class RouterMetrics:
         """Count one request served to its end against the targets (none set: nothing)."""
         if self.slo.judged:
             self.slo_requests.labels(result=self.slo.judge(prompt_len, ttft_s, tpot_s)).inc()
+
+    def request_ended(self, status: str) -> None:
+        """One generation request's end by status (success, client_error, server_error,
+        cancelled; `refused`: a 503 no_workers, a server error to tandem_requests): a server
+        error or a refusal also counts against the SLO."""
+        if status == "refused":
+            self.observe_unserved("refused")
+            status = "server_error"
+        elif status == "server_error":
+            self.observe_unserved("failed")
+        self.requests.labels(status=status).inc()
+
+    def observe_unserved(self, result: str) -> None:
+        """Count a request taken and not served (one of SLO_UNSERVED): it met no target."""
+        if self.slo.judged:
+            self.slo_requests.labels(result=result).inc()
 
     def _add_admission_metrics(self, r: CollectorRegistry) -> None:
         self.rejected = Counter(

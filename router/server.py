@@ -469,6 +469,7 @@ class RouterServer:
 
     def _refuse(self, e: APIError) -> web.Response:
         self.metrics.rejected.labels(reason=e.code).inc()
+        self.metrics.observe_unserved("refused")
         self.metrics.requests.labels(
             status="client_error" if e.status < 500 else "server_error"
         ).inc()
@@ -521,6 +522,7 @@ class RouterServer:
             status = "server_error" if e.status >= 500 else "client_error"
             if e.code == "no_workers":
                 self.metrics.rejected.labels(reason="no_workers").inc()
+                status = "refused"
             return e.response()
         except (asyncio.CancelledError, ConnectionResetError):
             status = "cancelled"
@@ -531,7 +533,7 @@ class RouterServer:
         finally:
             ticket.done()
             self._leave()
-            self.metrics.requests.labels(status=status).inc()
+            self.metrics.request_ended(status)
 
     async def _respond_json(self, run: RequestRun) -> web.Response:
         body = await run.answer_body(int(time.time()))

@@ -1,7 +1,8 @@
 """The router's SLO metrics: every request served to its end is counted in
 `tandem_slo_requests{result}` by engine/slo.py's rule (the one the planner sizes for, the
 simulator's attainment and `tandem bench serve`'s goodput use): TTFT against the base target
-plus its allowance per 1k prompt tokens, TPOT against its own. Through the real router (aiohttp,
+plus its allowance per 1k prompt tokens, TPOT against its own; a request taken and not served
+counts as failed (5xx after admission) or refused (429/503). Through the real router (aiohttp,
 real HTTP, real ZMQ) with test-seam workers whose token pace is set."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import requests
 from router_fakes import FakeWorker
 
-from engine.slo import SLO_RESULTS, SloTargets, ttft_target
+from engine.slo import SLO_RESULTS, SLO_UNSERVED, SloTargets, ttft_target
 from router.config import RouterConfig
 
 BODY = {"model": "tiny-llama", "prompt": "hi there", "ignore_eos": True}
@@ -37,7 +38,7 @@ def test_a_request_is_judged_by_ttft_and_tpot(make_router):
     # Tokens 0.25 s apart: TPOT 250 ms against a 100 ms target; TTFT against 1 us.
     slow = FakeWorker("d0", "colocated", delay_s=0.25)
     h = make_router([slow], slo_ttft_ms=UNMEETABLE_MS, slo_tpot_ms=100.0)
-    assert _slo_counts(h.base_url) == dict.fromkeys(SLO_RESULTS, 0.0)
+    assert _slo_counts(h.base_url) == dict.fromkeys((*SLO_RESULTS, *SLO_UNSERVED), 0.0)
     _serve(h, max_tokens=1)  # one token: no TPOT to miss
     _serve(h, max_tokens=3, stream=True)
     assert _slo_counts(h.base_url) == {
@@ -45,6 +46,8 @@ def test_a_request_is_judged_by_ttft_and_tpot(make_router):
         "missed_ttft": 1.0,
         "missed_tpot": 0.0,
         "missed_both": 1.0,
+        "failed": 0.0,
+        "refused": 0.0,
     }
     text = requests.get(h.base_url + "/metrics", timeout=20).text
     assert 'tandem_slo_target_seconds{target="tpot"} 0.1' in text
@@ -64,6 +67,8 @@ def test_the_ttft_target_grows_with_the_prompt(make_router):
         "missed_ttft": 0.0,
         "missed_tpot": 0.0,
         "missed_both": 0.0,
+        "failed": 0.0,
+        "refused": 0.0,
     }
 
 
@@ -72,6 +77,23 @@ def test_a_tpot_miss_alone(make_router):
     h = make_router([slow], slo_ttft_ms=60_000.0, slo_tpot_ms=100.0)
     _serve(h, max_tokens=3)
     assert _slo_counts(h.base_url)["missed_tpot"] == 1.0
+
+
+def test_a_request_not_served_misses_too(make_router):
+    # A worker that fails before any token: a 5xx after admission, counted "failed".
+    h = make_router([FakeWorker("d0", "colocated", mode="error_first")], slo_ttft_ms=1000.0)
+    r = requests.post(h.base_url + "/v1/completions", json=BODY | {"max_tokens": 2}, timeout=20)
+    assert r.status_code >= 500
+    # No worker at all: 503 no_workers, a refusal like 429 queue_full and 503 draining.
+    empty = make_router([], slo_ttft_ms=1000.0)
+    r = requests.post(empty.base_url + "/v1/completions", json=BODY | {"max_tokens": 2}, timeout=20)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_workers"
+    assert _slo_counts(h.base_url)["failed"] == 1.0 and _slo_counts(h.base_url)["met"] == 0.0
+    assert _slo_counts(empty.base_url)["refused"] == 1.0
+    # A 4xx is the client's: no SLO count.
+    bad = requests.post(empty.base_url + "/v1/completions", json={"prompt": 1}, timeout=20)
+    assert bad.status_code == 400
+    assert sum(_slo_counts(empty.base_url).values()) == 1.0
 
 
 def test_no_targets_no_slo_metric(make_router):
