@@ -30,6 +30,8 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 GEMMA3 = "Gemma3ForCausalLM"  # Gemma 3's text decoder: its own layer (engine/models/gemma.py)
 # transformers' per-layer attention types (`config.layer_types`) the engine computes: a layer
@@ -38,6 +40,16 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 # Architectures whose checkpoints store q/k/v and gate/up already fused, under the names the
 # engine's parameters have (`qkv_proj`, `gate_up_proj`): engine/loader.py reads those whole.
 PREFUSED_CHECKPOINTS = ("Phi3ForCausalLM",)
+# Sparse mixture-of-experts decoders (engine/models/moe.py): Mistral's attention with experts
+# in every layer; Qwen3's attention (per-head q/k norms) with experts where the config says.
+MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+MOE_ARCHITECTURES = (MIXTRAL, QWEN3_MOE)
+# Mixture-of-experts families whose layers compute something the MoE decoder does not: refused
+# with the reason rather than as an unknown architecture.
+UNSERVED_MOE = {
+    "OlmoeForCausalLM": "its q/k norms span all heads at once and it clips q/k/v (clip_qkv)",
+    "Qwen2MoeForCausalLM": "its shared expert and that expert's sigmoid gate are not computed",
+}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -47,6 +59,24 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+
+@dataclass(slots=True, frozen=True)
+class MoEConfig:
+    """A sparse mixture-of-experts MLP (engine/models/moe.py): a router picks `top_k` of
+    `num_experts` SwiGLU experts per token, weighted by their softmax probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # The top-k probabilities divided by their sum (Mixtral always; Qwen3-MoE: norm_topk_prob).
+    renormalize: bool
+    # Qwen3-MoE rounds the routing weights to the activation dtype before weighting an
+    # expert's output; Mixtral weights in fp32 and rounds the product.
+    weights_in_activation_dtype: bool
+    # Per decoder layer: the experts (True) or the dense MLP of `intermediate_size` (Qwen3-MoE's
+    # `mlp_only_layers`, `decoder_sparse_step`).
+    sparse_layers: tuple[bool, ...]
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -86,8 +116,14 @@ class ModelConfig:
     hf_config: Any = field(compare=False, repr=False)
     # The FP8 layout config.json's quantization_config declares (None: full precision).
     fp8_checkpoint: Any = field(default=None, compare=False)
+    moe: MoEConfig | None = None  # the experts of a mixture-of-experts architecture
 
     def __post_init__(self) -> None:
+        if self.architecture in UNSERVED_MOE:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported: "
+                f"{UNSERVED_MOE[self.architecture]}"
+            )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {self.architecture!r} is not supported; "
@@ -122,6 +158,13 @@ class ModelConfig:
         fp8 = (
             None if gguf else read_fp8_checkpoint(json.loads(Path(path, "config.json").read_text()))
         )
+        moe = _moe_config(hf, arch)
+        if moe is not None and fp8 is not None:
+            raise ValueError(
+                f"{arch}: config.json's quantization_config declares an FP8 checkpoint; FP8 "
+                "checkpoints of mixture-of-experts models are not supported (serve the "
+                "full-precision one: quantization 'fp8' or 'int8' quantizes its experts at load)"
+            )
         return cls(
             path=path,
             architecture=arch,
@@ -137,7 +180,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", GEMMA3, QWEN3_MOE),
             sliding_window=sliding,
             layer_types=layer_types,
             attention_scale=float(scale),
@@ -145,6 +188,7 @@ class ModelConfig:
             bos_token_id=getattr(hf, "bos_token_id", None),
             hf_config=hf,
             fp8_checkpoint=fp8,
+            moe=moe,
         )
 
     def window_of(self, layer: int) -> int | None:
@@ -176,7 +220,38 @@ class ModelConfig:
         if self.architecture == GEMMA3:  # its pre- and post-feedforward norms
             per_layer += 2 * h
         emb = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + emb + h
+        total = self.num_layers * per_layer + emb + h
+        if self.moe is not None:  # experts and a router instead of the dense MLP
+            experts = self.moe.num_experts * (3 * h * self.moe.intermediate_size + h)
+            total += sum(self.moe.sparse_layers) * (experts - 3 * h * i)
+        return total
+
+
+def _moe_config(hf: Any, arch: str) -> MoEConfig | None:
+    """The experts of a mixture-of-experts config as transformers builds them (None for a
+    dense architecture); ValueError naming the field it could not compute."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    n, k, layers = hf.num_experts, hf.num_experts_per_tok, hf.num_hidden_layers
+    if arch == MIXTRAL:
+        sparse = (True,) * layers
+        moe = MoEConfig(n, k, hf.intermediate_size, True, False, sparse)
+    else:
+        step = hf.decoder_sparse_step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(
+                f"{arch}: decoder_sparse_step is {step!r}; only a positive layer interval is "
+                "supported"
+            )
+        dense = set(hf.mlp_only_layers or ())
+        sparse = tuple(i not in dense and n > 0 and (i + 1) % step == 0 for i in range(layers))
+        norm = bool(hf.norm_topk_prob)
+        moe = MoEConfig(n, k, hf.moe_intermediate_size, norm, True, sparse)
+    if any(sparse) and not 1 <= k <= n:
+        raise ValueError(
+            f"{arch}: num_experts_per_tok is {k}; between 1 and the {n} experts is supported"
+        )
+    return moe
 
 
 def _windows(hf: Any, arch: str) -> tuple[int | None, tuple[str, ...]]:

@@ -249,6 +249,12 @@ def check_gguf(path: str) -> str:
             f"{path}: metadata field 'general.architecture' is {arch!r}; tandem serves "
             f"{sorted(ARCHITECTURES)}"
         )
+    experts = _field(reader, path, f"{arch}.expert_count", required=False)
+    if experts:  # llama.cpp writes Mixtral as "llama" with experts
+        raise GGUFError(
+            f"{path}: metadata field '{arch}.expert_count' is {experts!r}; mixture-of-experts "
+            "GGUF files are not supported (serve the Hugging Face directory)"
+        )
     for name in REQUIRED_FIELDS:
         value = _field(reader, path, f"{arch}.{name}")
         if not isinstance(value, int) or value <= 0:

@@ -198,6 +198,9 @@ class LLMEngine:
         if not getattr(self.backend, "graph_safe", False):
             log.info("attention backend %s: decode runs eagerly", self.backend.name)
             return
+        if not self.model.graph_capturable:  # a MoE sizes its expert groups on the host
+            log.info("%s: decode runs eagerly", self.model.cfg.architecture)
+            return
         graphs = DecodeGraphs(
             self.model, self.cache, self.backend, self.config.max_num_seqs, self.max_model_len
         )

@@ -137,8 +137,8 @@ def _shard_slice(model: CausalLM, fused_name: str, idx: int) -> tuple[int, int]:
     if ".qkv_proj." in fused_name:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sizes = [q, kv, kv]
-    else:
-        sizes = [cfg.intermediate_size] * 2
+    else:  # gate | up, halves of the projection's width (a MoE expert's is its own)
+        sizes = [model.get_submodule(fused_name.rsplit(".", 1)[0]).out_features // 2] * 2
     start = sum(sizes[:idx])
     return start, start + sizes[idx]
 
@@ -221,7 +221,11 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
         for hf_name in tqdm(names, desc="loading weights", unit="tensor"):
             if "rotary_emb.inv_freq" in hf_name:
                 continue
-            name, idx = _target(model, hf_name)
+            stacked = model.stacked_parameters(hf_name)
+            if stacked is not None:  # a MoE's experts in one tensor
+                _load_stacked(model, params, stacked, hf_name, files, loaded)
+                continue
+            name, idx = _target(model, model.checkpoint_name(hf_name))
             if idx is None and (fused := _fused_of(model, name)):
                 # A fused tensor where this architecture's checkpoints hold its parts.
                 raise ValueError(
@@ -241,7 +245,7 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
                 continue
             else:
                 raise ValueError(f"unexpected weight {hf_name!r} in {files.where[hf_name]}")
-            loaded.add(name if idx is None else f"{name}[{idx}]")
+            _mark_loaded(loaded, name if idx is None else f"{name}[{idx}]", hf_name)
     # A fused projection counts as loaded only with every part: one part missing (an up_proj
     # without its gate_proj) would otherwise leave rows of uninitialised memory.
     fused = {n: len(model.packed_modules[f]) for n in expected if (f := _fused_of(model, n))}
@@ -253,6 +257,35 @@ def load_weights(model: CausalLM, path: str, shard=None) -> None:
 
 
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
+
+
+def _mark_loaded(loaded: set[str], key: str, hf_name: str) -> None:
+    """Record parameter (part) `key` as filled by `hf_name`: a checkpoint that fills one twice
+    (a MoE expert both per expert and in a 3-D tensor) is refused, not read last-wins."""
+    if key in loaded:
+        raise ValueError(f"{hf_name} fills {key}, which another tensor of the checkpoint fills")
+    loaded.add(key)
+
+
+def _load_stacked(model, params, names: list[str], hf_name: str, files, loaded) -> None:
+    """Fill parameters `names` from the 3-D checkpoint tensor `hf_name`, one per index of its
+    first dimension (transformers 5's in-memory experts: [experts, gate | up, hidden] and
+    [experts, hidden, width], each index a per-expert parameter's layout)."""
+    if any(n not in params for n in names):  # experts where this model's layer is dense
+        raise ValueError(f"unexpected weight {hf_name!r} in {files.where[hf_name]}")
+    tensor = files.get(hf_name)
+    if tensor.dim() != 3 or tensor.shape[0] != len(names):
+        raise ValueError(
+            f"{hf_name}: shape {tuple(tensor.shape)}, expected [{len(names)} experts, rows, cols]"
+        )
+    for e, name in enumerate(names):
+        param = params[name]
+        _check_shape(f"{hf_name}[{e}]", tensor[e], param.shape)
+        param.copy_(tensor[e].to(param.dtype))
+        fused = _fused_of(model, name)
+        parts = range(len(model.packed_modules[fused])) if fused else [None]
+        for i in parts:
+            _mark_loaded(loaded, name if i is None else f"{name}[{i}]", hf_name)
 
 
 def _check_shape(hf_name: str, tensor: torch.Tensor, shape) -> None:

@@ -44,6 +44,7 @@ LONGEST_FIRST = (
     "tests/kv_transfer/test_tp_decode.py",  # 43
     "tests/kv_transfer/test_tp_handoff.py",  # 42
     "tests/bench/test_soak_smoke.py",  # 36
+    "tests/engine/test_moe.py",  # ~35 (added 2026-11-29)
     "tests/engine/test_gemma3.py",  # ~30 (added 2026-11-29)
 )
 

@@ -24,6 +24,13 @@ family so a runtime that gets one of them wrong cannot pass on the others:
            scaling), (1 + w) norms around both sublayers, q/k norms, GELU-tanh, scaled tied
            embeddings, query_pre_attn_scalar (24) != head_dim (48) != hidden/heads (32)
 
+and the sparse mixture-of-experts ones (`MOE_ARCHS`, kept out of `ARCHS`, which the
+parametrized suites iterate):
+
+- mixtral:   GQA, 8 SwiGLU experts in every layer, top 2 renormalised, per-expert w1/w2/w3
+- qwen3_moe: GQA, q/k norms, head_dim 48, 8 experts of width 96 picked top 3 without
+             renormalising, layer 1 a dense MLP (`mlp_only_layers`) of width 384
+
 Weights are not HF's default init: the norms are 1 + 0.1*N(0,1) (so a runtime that ignores them
 fails; Gemma's, which scale by 1 + w, have w = 0.3*N(0,1), 8 more in its post-sublayer norms,
 so one that drops the 1 fails too), biases and q/k norms are non-zero, q/k projections are
@@ -64,6 +71,10 @@ from tools.tiny_tokenizer import (  # noqa: F401 - CHAT_TEMPLATE, build_tokenize
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+# Sparse mixture-of-experts architectures: apart from ARCHS, which the parametrized suites
+# iterate (tests/engine/test_moe.py runs these).
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+ALL_ARCHS = ARCHS + MOE_ARCHS
 PRESETS = ("tiny", "small")
 
 _CONFIG_CLASSES = {
@@ -73,8 +84,22 @@ _CONFIG_CLASSES = {
     "qwen3": "Qwen3Config",
     "phi3": "Phi3Config",
     "gemma3": "Gemma3TextConfig",
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 SLIDING, FULL = "sliding_attention", "full_attention"  # Gemma 3's two layer types
+
+
+class MoEFields(NamedTuple):
+    """A mixture-of-experts config's own fields: experts, experts per token, each expert's
+    width (Mixtral's is `intermediate_size`), and Qwen3-MoE's routing normalisation and dense
+    layers (`intermediate_size` wide)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    mlp_only_layers: tuple[int, ...] = ()
 
 
 class GemmaFields(NamedTuple):
@@ -105,10 +130,15 @@ class ModelShape:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = field(default=None)
     gemma: GemmaFields | None = None  # gemma3 only
+    moe: MoEFields | None = None  # MOE_ARCHS only
 
     def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"unknown arch {self.arch!r}; choose one of {ARCHS}")
+        if self.arch not in ALL_ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {ALL_ARCHS}")
+        if (self.arch in MOE_ARCHS) != (self.moe is not None):
+            raise ValueError("the MoE archs (only) need MoEFields")
+        if self.arch == "mixtral" and self.moe.moe_intermediate_size != self.intermediate_size:
+            raise ValueError("mixtral: its experts are intermediate_size wide")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.head_dim % 2:
@@ -131,12 +161,20 @@ class ModelShape:
         attn = h * q + 2 * h * kv + q * h
         if self.arch == "qwen2":
             attn += q + 2 * kv  # q/k/v biases
-        if self.arch in ("qwen3", "gemma3"):
+        if self.arch in ("qwen3", "gemma3", "qwen3_moe"):
             attn += 2 * self.head_dim  # q_norm, k_norm
         mlp = 3 * h * self.intermediate_size
         per_layer = attn + mlp + (4 if self.gemma else 2) * h  # norms around the sublayers
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * per_layer + embed + h  # + final norm
+        total = self.num_hidden_layers * per_layer + embed + h  # + final norm
+        if self.moe is not None:  # router and experts in place of the dense MLP
+            e = self.moe.num_experts
+            experts = e * h + e * 3 * h * self.moe.moe_intermediate_size
+            total += self.num_moe_layers() * (experts - mlp)
+        return total
+
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - len(self.moe.mlp_only_layers) if self.moe else 0
 
 
 _LLAMA3_ROPE = {
@@ -151,6 +189,13 @@ _GEMMA3_TINY = GemmaFields((SLIDING, SLIDING, FULL, SLIDING), 20, 10000.0, 24)
 _GEMMA3_SMALL = GemmaFields((SLIDING,) * 5 + (FULL,) + (SLIDING,) * 2, 128, 10000.0, 64)  # 5:1
 _LINEAR8 = {"rope_type": "linear", "factor": 8.0}  # Gemma 3 4B and up scale global rope so
 
+# Mixtral: 8 experts, top 2, every layer sparse; Qwen3-MoE: 8 experts, top 3 unnormalised
+# (Qwen3-30B-A3B renormalises: its norm_topk_prob), a dense middle layer, head_dim 48.
+_MIXTRAL_TINY = MoEFields(8, 2, 256)
+_QWEN3_MOE_TINY = MoEFields(8, 3, 96, False, (1,))
+_MIXTRAL_SMALL = MoEFields(8, 2, 1024)
+_QWEN3_MOE_SMALL = MoEFields(16, 4, 384, True, (0,))
+
 _SHAPES: dict[tuple[str, str], ModelShape] = {
     ("llama", "tiny"): ModelShape(
         "llama", 128, 2, 4, 2, 32, 352, 1024, 1024, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
@@ -163,6 +208,18 @@ _SHAPES: dict[tuple[str, str], ModelShape] = {
     ("phi3", "tiny"): ModelShape("phi3", 128, 2, 4, 2, 32, 320, 1024, 1024, 10000.0, 1e-5),
     ("gemma3", "tiny"): ModelShape(
         "gemma3", 128, 4, 4, 2, 48, 384, 1024, 1024, 1e6, 1e-6, True, _LINEAR8, _GEMMA3_TINY
+    ),
+    ("mixtral", "tiny"): ModelShape(
+        "mixtral", 128, 2, 4, 2, 32, 256, 1024, 1024, 1e6, 1e-5, moe=_MIXTRAL_TINY
+    ),
+    ("qwen3_moe", "tiny"): ModelShape(
+        "qwen3_moe", 128, 3, 4, 2, 48, 384, 1024, 1024, 1e6, 1e-6, moe=_QWEN3_MOE_TINY
+    ),
+    ("mixtral", "small"): ModelShape(
+        "mixtral", 512, 4, 8, 2, 64, 1024, 8192, 2048, 1e6, 1e-5, moe=_MIXTRAL_SMALL
+    ),
+    ("qwen3_moe", "small"): ModelShape(
+        "qwen3_moe", 512, 4, 8, 2, 64, 1536, 8192, 2048, 1e6, 1e-6, moe=_QWEN3_MOE_SMALL
     ),
     ("llama", "small"): ModelShape(
         "llama", 512, 8, 8, 4, 64, 1536, 8192, 2048, 500000.0, 1e-5, rope_scaling=_LLAMA3_ROPE
@@ -183,7 +240,7 @@ def model_shape(arch: str, preset: str, max_position_embeddings: int | None = No
     """The shape for (arch, preset), optionally with a different context length."""
     if (arch, preset) not in _SHAPES:
         raise ValueError(
-            f"unknown arch/preset {arch!r}/{preset!r}; archs {ARCHS}, presets {PRESETS}"
+            f"unknown arch/preset {arch!r}/{preset!r}; archs {ALL_ARCHS}, presets {PRESETS}"
         )
     shape = _SHAPES[(arch, preset)]
     if max_position_embeddings is not None:
@@ -223,15 +280,34 @@ def build_config(shape: ModelShape) -> Any:
         kwargs["hidden_activation"] = "gelu_pytorch_tanh"
     else:
         kwargs["hidden_act"] = "silu"
-    if shape.arch in ("mistral", "phi3"):
+    if shape.arch in ("mistral", "phi3", "mixtral"):
         kwargs["sliding_window"] = None
     if shape.arch in ("qwen2", "qwen3"):
         kwargs["use_sliding_window"] = False
         kwargs["sliding_window"] = None
         kwargs["max_window_layers"] = shape.num_hidden_layers
-    if shape.arch == "qwen3":
+    if shape.arch in ("qwen3", "qwen3_moe"):
         kwargs["attention_bias"] = False
+    if shape.moe is not None:
+        kwargs.update(_moe_kwargs(shape))
     return cls(**kwargs)
+
+
+def _moe_kwargs(shape: ModelShape) -> dict[str, Any]:
+    moe = shape.moe
+    kwargs = {"num_experts_per_tok": moe.num_experts_per_tok, "router_aux_loss_coef": 0.0}
+    if shape.arch == "mixtral":
+        return {**kwargs, "num_local_experts": moe.num_experts, "router_jitter_noise": 0.0}
+    return {
+        **kwargs,
+        "num_experts": moe.num_experts,
+        "moe_intermediate_size": moe.moe_intermediate_size,
+        "norm_topk_prob": moe.norm_topk_prob,
+        "mlp_only_layers": list(moe.mlp_only_layers),
+        "decoder_sparse_step": 1,
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -267,9 +343,13 @@ def _init_std(name: str, shape: ModelShape) -> tuple[float, float]:
         fan_in = (
             shape.num_attention_heads * shape.head_dim
             if "o_proj" in name
+            else shape.moe.moe_intermediate_size
+            if ".experts." in name
             else shape.intermediate_size
         )
         return 0.0, 1.0 / math.sqrt(fan_in * 2 * shape.num_hidden_layers)
+    if name.endswith("mlp.gate.weight"):  # a MoE router: logits std ~2, decisive choices
+        return 0.0, 2.0 / math.sqrt(h)
     return 0.0, 1.0 / math.sqrt(h)  # v/gate/up: fan-in init
 
 
@@ -426,12 +506,14 @@ def _patch_config_json(path: pathlib.Path, shape: ModelShape) -> None:
     cfg["head_dim"] = shape.head_dim
     if shape.gemma is not None:  # 4.x's name of the sliding layers' rope base
         cfg["rope_local_base_freq"] = shape.gemma.rope_local_base_freq
+    if shape.arch == "qwen3_moe":  # Qwen's own name (5.x writes its alias num_local_experts)
+        cfg["num_experts"] = shape.moe.num_experts
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", type=pathlib.Path, help="directory to write the checkpoint")
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--arch", choices=ALL_ARCHS, default="llama")
     parser.add_argument("--preset", choices=PRESETS, default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

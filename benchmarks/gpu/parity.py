@@ -1,5 +1,7 @@
-"""Greedy parity with Hugging Face transformers on the device, for the four architectures, in
-fp32 and bf16, with decode steps replayed from CUDA graphs.
+"""Greedy parity with Hugging Face transformers on the device, for the four dense architectures
+and the two mixture-of-experts ones, in fp32 and bf16, with decode steps replayed from CUDA
+graphs (not for the MoE models: their decode runs eagerly, `graph_replays` 0; in bf16 their
+routers may pick another expert near a tie, as transformers' own bf16 and fp32 runs differ).
 
 For each (arch, dtype): a tiny seeded checkpoint (`tools.make_model`), a batch of mixed-length
 prompts decoded greedily by tandem (graphs captured; `replays` counts the steps they served)
@@ -20,7 +22,7 @@ import torch
 
 from benchmarks.gpu.common import log, section_args, write_json
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 LENGTHS = (1, 7, 16, 17, 40, 100)
 
 

@@ -7,8 +7,8 @@ kernels on, or int8 weights with their kernels), the fused norm/RoPE/SiLU ops on
 norm, and the attention backend on its CPU paged-decode kernel with a cache in the model's
 dtype (no FP8 scales). Anything else keeps the Python path, and so does every model whose
 layer is not the loop's (`CausalLM.decode_stack_layers`: Gemma 3's four norms, GELU MLP and
-per-layer scale, window and rotary table). `TANDEM_DECODE_STACK=0` turns it
-off (the benchmark compares the two).
+per-layer scale, window and rotary table; the MoE decoders' routed experts).
+`TANDEM_DECODE_STACK=0` turns it off (the benchmark compares the two).
 """
 
 from __future__ import annotations

@@ -134,11 +134,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        """`intermediate_size`: the width when it is not the config's (a MoE expert's)."""
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, cfg.hidden_size, bias=False)
 
     fused = None  # engine.kernels.CpuOps with the fused ops, when the CPU kernels are on
     fp8_fused = False  # the fused ops quantize too (GPU): down_proj may take FP8 tokens
@@ -160,7 +161,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = self.feed_forward(cfg, layer)
+
+    def feed_forward(self, cfg: ModelConfig, layer: int) -> nn.Module:
+        """This layer's MLP (a mixture-of-experts decoder's experts where its config has them)."""
+        return MLP(cfg)
 
     def forward(self, x, residual, cos, sin, cache, backend):
         """x: the previous layer's MLP output (or the embeddings, with residual None); returns
@@ -173,10 +178,12 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
+    layer_class = DecoderLayer
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -184,6 +191,9 @@ class CausalLM(nn.Module):
     backbone_class = Backbone  # the embeddings, the decoder layers and the final norm
     # The C++ decode loop (engine.models.decode_stack) computes this class's layer.
     decode_stack_layers = True
+    # Decode steps may be captured as CUDA graphs (engine.cuda_graphs): no step reads a
+    # tensor's values on the host.
+    graph_capturable = True
     # fused parameter -> the checkpoint's names of its parts, in concatenation order. A
     # pre-fused checkpoint (Phi-3: `ModelConfig.prefused_checkpoint`) stores the fused
     # tensors themselves, in this same order, so its model packs nothing.
@@ -228,6 +238,16 @@ class CausalLM(nn.Module):
     def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """What parameter `name` holds of the checkpoint's `tensor` (here: the tensor itself)."""
         return tensor
+
+    def checkpoint_name(self, hf_name: str) -> str:
+        """Checkpoint tensor `hf_name` under the names this model's modules carry (here: the
+        same; `packed_modules` then maps parts to fused projections)."""
+        return hf_name
+
+    def stacked_parameters(self, hf_name: str) -> list[str] | None:
+        """The parameters that checkpoint tensor `hf_name` holds stacked along its first
+        dimension, one per index (a MoE's experts in one 3-D tensor); None for any other."""
+        return None
 
     def quantize(self, method: str | None) -> int:
         """Quantize the decoder layers' projections (`method`: one of

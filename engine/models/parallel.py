@@ -16,7 +16,12 @@ slice, never whole):
   partial products are summed over the ranks by an all-reduce; a bias, if any, is added
   by rank 0 only);
 - replicated: embeddings, norms, the head. Rank 0 alone computes logits, from the whole
-  head, so logprobs are those of the unsplit model (no vocab-parallel gather to reorder).
+  head, so logprobs are those of the unsplit model (no vocab-parallel gather to reorder);
+- a MoE's experts (engine/models/moe.py) each like the dense MLP: gate/up by rows, down by
+  columns, over `MoEConfig.intermediate_size` (a 3-D expert tensor along that width,
+  `Shard.stacked_cut`); the router is replicated, so every rank routes alike. An expert's
+  down projection leaves its partial sum (`RowParallelLinear.reduce_output` off) and the
+  block all-reduces the weighted total once.
 
 KV heads: with TP <= KV heads each rank holds KV heads // TP of them; with more ranks than KV
 heads, each rank holds a copy of the one KV head its query heads read (TP must then be a
@@ -37,6 +42,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.linear import Linear
+from engine.models.moe import SparseMoE
 from engine.quantization import fp8, quantize_int8
 
 # HF weight name -> (split, part): "col" cuts dim 0, "row" cuts dim 1.
@@ -46,6 +52,16 @@ _RULES = (
     (re.compile(r"\.mlp\.(gate|up)_proj\.weight$"), "col", "mlp"),
     (re.compile(r"\.self_attn\.o_proj\.weight$"), "row", "q"),
     (re.compile(r"\.mlp\.down_proj\.weight$"), "row", "mlp"),
+    # A MoE's experts, each cut like the dense MLP (Qwen3-MoE's names, then Mixtral's).
+    (re.compile(r"\.mlp\.experts\.\d+\.(gate|up)_proj\.weight$"), "col", "moe"),
+    (re.compile(r"\.mlp\.experts\.\d+\.down_proj\.weight$"), "row", "moe"),
+    (re.compile(r"\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$"), "col", "moe"),
+    (re.compile(r"\.block_sparse_moe\.experts\.\d+\.w2\.weight$"), "row", "moe"),
+)
+# transformers 5's 3-D expert tensors: (dimension cut, its parts in order) per expert.
+_STACKED_RULES = (
+    (re.compile(r"\.experts\.gate_up_proj$"), 1, ("moe", "moe")),
+    (re.compile(r"\.experts\.down_proj$"), 2, ("moe",)),
 )
 # A pre-fused checkpoint tensor -> its parts, in row order (each cut as the split tensor is).
 _FUSED_RULES = (
@@ -90,13 +106,24 @@ class Shard:
     def intermediate(self) -> int:
         return self.cfg.intermediate_size // self.size
 
+    @property
+    def expert_width(self) -> int:
+        """The rank's slice of each MoE expert's width (0 without experts)."""
+        moe = self.cfg.moe
+        return 0 if moe is None else moe.intermediate_size // self.size
+
     def local_config(self) -> ModelConfig:
-        """The config of this rank's model: its heads and MLP width, everything else whole."""
+        """The config of this rank's model: its heads, MLP and expert widths, everything else
+        whole."""
+        moe = self.cfg.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, intermediate_size=self.expert_width)
         return dataclasses.replace(
             self.cfg,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate,
+            moe=moe,
         )
 
     def _spans(self) -> dict[str, tuple[int, int]]:
@@ -106,6 +133,7 @@ class Shard:
             "q": (self.rank * self.num_heads * d, self.num_heads * d),
             "kv": (self.kv_head_start * d, self.num_kv_heads * d),
             "mlp": (self.rank * self.intermediate, self.intermediate),
+            "moe": (self.rank * self.expert_width, self.expert_width),
         }
 
     def cut(self, hf_name: str) -> tuple[int, int, int] | None:
@@ -116,6 +144,16 @@ class Shard:
             if pattern.search(hf_name):
                 start, n = spans[part]
                 return (0 if split == "col" else 1), start, start + n
+        return None
+
+    def stacked_cut(self, hf_name: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]) of the rank's parts of a 3-D expert tensor along the
+        dimension that holds each expert's width; None for any other tensor."""
+        for pattern, dim, parts in _STACKED_RULES:
+            if pattern.search(hf_name):
+                start, n = self._spans()["moe"]
+                whole = self.cfg.moe.intermediate_size
+                return dim, [(i * whole + start, i * whole + start + n) for i in range(len(parts))]
         return None
 
     def fused_rows(self, hf_name: str) -> list[tuple[int, int]] | None:
@@ -154,6 +192,11 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         )
     if inter % size:
         raise ValueError(f"tensor_parallel_size {size} must divide intermediate_size ({inter})")
+    if cfg.moe is not None and cfg.moe.intermediate_size % size:
+        width = cfg.moe.intermediate_size
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide each expert's intermediate size ({width})"
+        )
 
 
 def check_tp_settings(tp, role: str, load_format: str) -> None:
@@ -184,17 +227,21 @@ class ShardedCheckpoint:
         rows = self.shard.fused_rows(name)
         if rows is not None:
             return torch.cat([self._read(name, 0, start, stop) for start, stop in rows])
+        stacked = self.shard.stacked_cut(name)
+        if stacked is not None:
+            dim, parts = stacked
+            return torch.cat([self._read(name, dim, a, b) for a, b in parts], dim=dim)
         cut = self.shard.cut(name)
         if cut is None:
             return self.inner.get(name)
         return self._read(name, *cut)
 
     def _read(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
-        """Rows (dim 0) or columns (dim 1) [start, stop) of tensor `name`."""
+        """Indices [start, stop) of dimension `dim` of tensor `name` (rows, columns, or a 3-D
+        expert tensor's widths)."""
         handle = getattr(self.inner, "files", {}).get(self.where.get(name))
         if handle is not None:  # safetensors: read only the slice
-            part = handle.get_slice(name)
-            return part[start:stop] if dim == 0 else part[:, start:stop]
+            return handle.get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
         return self.inner.get(name).narrow(dim, start, stop - start).contiguous()
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -235,6 +282,9 @@ class RowParallelLinear(Linear):
     all-reduce over the group (`group.all_reduce(tensor, op)`, engine.distributed)."""
 
     group = None
+    # False for a MoE expert's down projection: its block sums the experts' weighted partial
+    # outputs and all-reduces once (engine.models.moe.SparseMoE.group).
+    reduce_output = True
 
     @property
     def takes_fp8_tokens(self) -> bool:
@@ -250,7 +300,8 @@ class RowParallelLinear(Linear):
             self.group.all_reduce(amax, op="max")
             x = fp8.FP8Tokens(*fp8.quantize_fp8_tokens(x, amax=amax), x.dtype)
         y = super().forward(x)
-        self.group.all_reduce(y)
+        if self.reduce_output:
+            self.group.all_reduce(y)
         return y
 
     def _row_amax(self) -> torch.Tensor:
@@ -268,11 +319,15 @@ class RowParallelLinear(Linear):
 
 def make_row_parallel(model: torch.nn.Module, group) -> int:
     """Turn the model's o_proj and down_proj into `RowParallelLinear`s reducing over `group`
-    (the class is swapped in place so parameter names and loaders stay those of `Linear`)."""
+    (the class is swapped in place so parameter names and loaders stay those of `Linear`); a
+    MoE expert's down_proj leaves its partial sum to its block, which reduces over `group`."""
     n = 0
     for name, mod in model.named_modules():
         if isinstance(mod, Linear) and name.rsplit(".", 1)[-1] in ROW_PARALLEL:
             mod.__class__ = RowParallelLinear
             mod.group = group
+            mod.reduce_output = ".experts." not in name
             n += 1
+        elif isinstance(mod, SparseMoE):
+            mod.group = group
     return n

@@ -37,6 +37,8 @@ _ROTARY_CLASSES = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3RotaryEmbedding"),
     "Phi3ForCausalLM": ("phi3", "Phi3RotaryEmbedding"),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3RotaryEmbedding"),
+    "MixtralForCausalLM": ("mixtral", "MixtralRotaryEmbedding"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeRotaryEmbedding"),
 }
 # Variants whose forward changes the frequencies with the sequence length (HF's
 # `dynamic_rope_update`): the class builds those.

@@ -21,6 +21,8 @@ CONFIG_CLASSES = {
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Phi3ForCausalLM": "Phi3Config",
+    "MixtralForCausalLM": "MixtralConfig",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
 }
 VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
@@ -82,7 +84,9 @@ def _config(architecture: str, rope: dict, head_dim: int | None, max_position=10
 
 @pytest.mark.parametrize(("architecture", "variant"), CASES)
 def test_tables_equal_the_hf_class_bit_for_bit(architecture, variant):
-    head_dim = 64 if architecture == "Qwen3ForCausalLM" else None  # qwen3 states its own
+    # qwen3 states its own; so must mixtral for yarn (its config's head_dim None is not
+    # transformers' fallback there)
+    head_dim = 64 if architecture in ("Qwen3ForCausalLM", "MixtralForCausalLM") else None
     cfg = _config(architecture, VARIANTS[variant], head_dim)
     dim = head_dim or 32
     cos, sin = rope_tables(cfg, architecture, 1024, dim)
