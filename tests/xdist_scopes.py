@@ -29,7 +29,7 @@ LONGEST_FIRST = (
     "tests/autoscale/test_live_autoscale.py",  # 158
     "tests/faults/test_worker_faults.py",  # 147
     "tests/e2e/test_serve_quantized.py",  # 142
-    "tests/e2e/test_serve_logprobs.py",  # 108 (+~30 s: gemma3, 2026-11-29)
+    "tests/e2e/test_serve_logprobs.py",  # 108 (+~30 s: gemma3; +~40 s: the MoE pair, 2026-11-29)
     "tests/e2e/test_serve_parity.py",  # 95
     "tests/e2e/test_serve_kv_reuse.py",  # ~90 (added 2026-11-28, not in that run)
     "tests/fuzz/",  # 84

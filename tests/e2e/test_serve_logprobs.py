@@ -13,7 +13,7 @@ import pytest
 import torch
 from e2e_helpers import TransferCheck
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 MODES = {"1p1d": ["--prefill", "1", "--decode", "1"], "colocated": ["--mode", "colocated"]}
 PROMPT = " ".join(["tandem serves prefill and decode pools with paged caches"] * 4)
 
@@ -34,7 +34,7 @@ def _hf(path: str):
 CASES = [(a, "1p1d") for a in ARCHS] + [("qwen3", "colocated")]
 
 
-@pytest.fixture(scope="module", params=CASES)
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{m}" for a, m in CASES])
 def served(request, start_serve, make_tiny_model):
     arch, mode = request.param
     model = make_tiny_model(arch)
