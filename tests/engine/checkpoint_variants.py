@@ -1,6 +1,7 @@
-"""Helpers the architecture tests share (test_phi3, test_gemma3, test_qwen_sliding_window): a
-checkpoint copied with config.json keys changed, seeded random prompts, and greedy output
-checked token for token against transformers."""
+"""Helpers the architecture tests share (test_phi3, test_gemma3, test_moe,
+test_qwen_sliding_window): a checkpoint copied with config.json keys changed, seeded random
+prompts, greedy output checked token for token against transformers, and logprobs checked
+against its log-softmax."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from test_logprobs_and_choices import _check_entry, _hf_logprobs
 from test_parity_hf import hf_greedy
 
 from engine import LLM, SamplingParams
@@ -38,3 +40,17 @@ def check_greedy(llm: LLM, path: Path, prompts, max_tokens: int = 12) -> None:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for p, out in zip(prompts, llm.generate(prompts, sp), strict=True):
         assert out.token_ids == hf_greedy(path, p, max_tokens), f"prompt of {len(p)} diverged"
+
+
+def check_logprobs(llm: LLM, path, prompt: list[int], max_tokens: int) -> None:
+    """A greedy answer's top-3 logprobs and the prompt's top-2 equal transformers' fp32
+    log-softmax of the same tokens."""
+    sp = SamplingParams(
+        max_tokens=max_tokens, temperature=0, logprobs=3, prompt_logprobs=2, ignore_eos=True
+    )
+    out = llm.generate([prompt], sp)[0]
+    ref = _hf_logprobs(path, prompt + out.token_ids)
+    for p in range(1, len(prompt)):
+        _check_entry(out.prompt_logprobs[p], ref[p - 1], prompt[p], 2)
+    for j, token in enumerate(out.token_ids):
+        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], token, 3)

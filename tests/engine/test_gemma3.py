@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_variants import check_greedy as _check_greedy
-from checkpoint_variants import random_prompts
+from checkpoint_variants import check_logprobs, random_prompts
 from checkpoint_variants import variant as _variant
-from test_logprobs_and_choices import _check_entry, _hf_logprobs
 
 from engine import LLM, SamplingParams, kernels
 from engine.config import ModelConfig
@@ -125,13 +124,7 @@ def test_greedy_past_the_window_on_the_triton_backend(gemma):
 def test_logprobs_past_the_window_equal_transformers(gemma):
     llm = LLM(gemma, dtype="float32", block_size=4, max_num_batched_tokens=16)
     prompt = _prompts([50], seed=2)[0]
-    sp = SamplingParams(max_tokens=8, temperature=0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    out = llm.generate([prompt], sp)[0]
-    ref = _hf_logprobs(gemma, prompt + out.token_ids)
-    for p in range(1, len(prompt)):
-        _check_entry(out.prompt_logprobs[p], ref[p - 1], prompt[p], 2)
-    for j, token in enumerate(out.token_ids):
-        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], token, 3)
+    check_logprobs(llm, gemma, prompt, max_tokens=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -15,9 +15,8 @@ import dataclasses
 import fp8_checkpoints as fc
 import pytest
 import torch
-from checkpoint_variants import check_greedy, random_prompts, variant
+from checkpoint_variants import check_greedy, check_logprobs, random_prompts, variant
 from safetensors.torch import save_file
-from test_logprobs_and_choices import _check_entry, _hf_logprobs
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
@@ -165,13 +164,7 @@ def test_logprobs_equal_transformers(moe):
     _, path = moe
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16)
     prompt = random_prompts([37], seed=3)[0]
-    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2, ignore_eos=True)
-    out = llm.generate([prompt], sp)[0]
-    ref = _hf_logprobs(path, prompt + out.token_ids)
-    for p in range(1, len(prompt)):
-        _check_entry(out.prompt_logprobs[p], ref[p - 1], prompt[p], 2)
-    for j, token in enumerate(out.token_ids):
-        _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], token, 3)
+    check_logprobs(llm, path, prompt, max_tokens=6)
 
 
 def test_torch_ops_and_reference_decode_equal_transformers(make_tiny_model):
