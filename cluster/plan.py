@@ -392,6 +392,13 @@ def list_known() -> str:
     models = [
         f"  {m.name:<13} {m.num_params / 1e9:5.2f} B params, {m.num_layers} layers, "
         f"{m.num_heads}/{m.num_kv_heads} heads, weights {step_weight_bytes(m, 'bf16') / 1e9:.1f} GB"
+        # A MoE model's compute per token is its active params' (its top-k experts).
+        + (
+            f", {m.num_experts} experts (top {m.experts_per_token}), "
+            f"{m.active_params / 1e9:.2f} B active"
+            if m.is_moe
+            else ""
+        )
         for m in PRESETS.values()
     ]
     return "\n".join(["GPUs:", *gpus, "models:", *models])
