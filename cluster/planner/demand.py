@@ -181,13 +181,14 @@ class HoltForecast:
     # The values of the windows in a row that stood SHIFT_SIGMAS over the forecast.
     rise: list[float] = field(default_factory=list)
 
-    def update(self, value: float, noise_floor: float = 0.0) -> None:
-        """One step. The error that feeds the noise estimate is clipped at NOISE_CLIP noise
-        SDs (at least `noise_floor`): a level shift is a change, not noise, and must not
-        keep a pool from shrinking for the many windows an EWMA takes to forget it. A rise
-        that lasts SHIFT_WINDOWS windows re-levels the series at their mean, trend 0 (its
-        errors are a change too: they do not feed the noise); a fall is left to the
-        smoothing, as a pool shrinks with margins anyway."""
+    def update(self, value: float, noise_floor: float = 0.0, alpha: float | None = None) -> None:
+        """One step (`alpha`: this step's level smoothing, default the forecast's own). The
+        error that feeds the noise estimate is clipped at NOISE_CLIP noise SDs (at least
+        `noise_floor`): a level shift is a change, not noise, and must not keep a pool from
+        shrinking for the many windows an EWMA takes to forget it. A rise that lasts
+        SHIFT_WINDOWS windows re-levels the series at their mean, trend 0 (its errors are a
+        change too: they do not feed the noise); a fall is left to the smoothing, as a pool
+        shrinks with margins anyway."""
         if self.level is None:
             self.level = value
             return
@@ -206,7 +207,8 @@ class HoltForecast:
             error = min(max(error, -limit), limit)
         self.error_var += NOISE_WEIGHT * (error * error - self.error_var)
         previous = self.level
-        self.level = self.alpha * value + (1 - self.alpha) * (previous + self.damping * self.trend)
+        a = self.alpha if alpha is None else alpha
+        self.level = a * value + (1 - a) * (previous + self.damping * self.trend)
         self.trend = (
             self.beta * (self.level - previous) + (1 - self.beta) * self.damping * self.trend
         )
@@ -244,6 +246,9 @@ class DemandTracker:
     _uncached: float = field(default=1.0, init=False)
     # Whether the last window's rate stood out of the noise the forecast expected before it.
     _burst: bool = field(default=False, init=False)
+    # The prefill pool's queue-room share (`queue_share`) at the last decision: 1 for a tight
+    # TTFT target; the level then smooths over the window and the room (`observe`).
+    level_share: float = field(default=1.0, init=False)
     # The decaying peak of uncached prompt tokens arriving within one second (burst hold).
     _peak_1s: float = field(default=0.0, init=False)
     # Forecasts awaiting their window: (end of the window forecast, the rate forecast, the
@@ -275,7 +280,13 @@ class DemandTracker:
         if self.holt.level is not None:
             self._burst = rate > expected + BURST_SIGMAS * max(self.holt.noise, poisson)
         self._score_forecasts(window)
-        self.holt.update(rate, poisson)
+        # Under a loose TTFT target the prefill pool carries the rate averaged over a window
+        # and its queue room, so the level moves by sqrt(share) of alpha: the same factor the
+        # noise terms take for that longer average. On the Mooncake conversation slice (30 s)
+        # the level followed each window's Poisson noise of 3 req/s and two windows in three
+        # asked for a third prefill worker, where two hold 99.89% (benchmarks/README.md).
+        alpha = self.config.forecast_alpha * math.sqrt(self.level_share)
+        self.holt.update(rate, poisson, alpha)
         if self._traffic_from is None and window.arrivals > 0:
             self._traffic_from = window.start_s
         prompts = self._recent(end, lambda w: w.prompt_lengths)

@@ -230,6 +230,7 @@ class Planner:
         added decode workers and turns on the Mooncake and conversation traces for no
         attainment (benchmarks/README.md, "A margin from the forecast's own error")."""
         rooms = {PREFILL_POOL: self._queue_room_s(queued_wl, corr), DECODE_POOL: 0.0}
+        self.demand.level_share = queue_share(self.config.interval_s, rooms[PREFILL_POOL])
         # How long a window's excess keeps each pool busy: a prefill spike queues and drains
         # (or misses) within its room; a decode spike's sequences hold their slots for their
         # answers' length at the TPOT target.

@@ -5,6 +5,8 @@ allowance."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from planner_fakes import follow, pools, round_profile, window
 
@@ -115,3 +117,50 @@ def test_a_window_of_long_answers_starts_no_decode_worker_a_start_up_away():
     have = follow(planner, [window(10 * i, 5, prompt=1000) for i in range(20)], start=(1, 1))
     d = planner.decide(210, window(200, 5, prompt=16000), pools(*have[-1]))
     assert d.desired[P] > have[-1][0]
+
+
+def test_the_level_smooths_over_the_room_by_the_square_root_of_its_share():
+    t = DemandTracker(PlannerConfig(interval_s=10), startup_s=60)
+    t.observe(window(0, 10.0))
+    t.level_share = 0.25  # a window and 30 s of room
+    t.observe(window(10, 12.0))  # within the noise: smoothed, not re-levelled
+    assert t.holt.level == pytest.approx(10.0 + 0.3 * 0.5 * 2.0)
+    t.level_share = 1.0  # a tight target: alpha itself
+    level, trend = t.holt.level, t.holt.trend
+    t.observe(window(20, 12.0))
+    assert t.holt.level == pytest.approx(0.3 * 12.0 + 0.7 * (level + 0.85 * trend))
+
+
+def test_the_planner_sets_the_level_share_from_its_prefill_queue_room():
+    shares = {}
+    for ttft_ms in (1000, 30000):
+        cfg = PlannerConfig(slo_ttft_ms=ttft_ms, slo_tpot_ms=50, max_prefill=16, max_decode=16)
+        planner = Planner(PROFILE, cfg)
+        follow(planner, [window(10 * i, 8) for i in range(3)], start=(1, 2))
+        shares[ttft_ms] = planner.demand.level_share
+    # 30 s: a prompt may queue ~26 s (goal less its own step), so a window is ~0.28 of it.
+    assert shares[30000] == pytest.approx(10 / (10 + 26), abs=0.05)
+    assert shares[1000] > 0.9  # 1 s: hardly any room, the level moves as before
+
+
+def test_a_steady_noisy_load_under_a_loose_target_keeps_its_pool():
+    """Poisson noise of 30 requests a window under a 30 s target: the level no longer follows
+    each window, so the pool the mean needs is not grown by the noisy windows (the Mooncake
+    conversation slice's third prefill worker). Without the room's smoothing it is."""
+    rng = random.Random(4)
+    rates = [max(0.5, rng.gauss(2.6, 0.51)) for _ in range(60)]  # 31k tok/s on 20k workers
+    windows = [window(10 * i, r, prompt=12_000) for i, r in enumerate(rates)]
+    sizes = {}
+    for smooth in (True, False):
+        cfg = PlannerConfig(slo_ttft_ms=30000, slo_tpot_ms=100, max_prefill=16, max_decode=16)
+        planner = Planner(PROFILE, cfg)
+        have, trail = [2, 2], []
+        for w in windows:
+            d = planner.decide(w.start_s + w.duration_s, w, pools(*have))
+            have = [d.desired[P], d.desired[D]]
+            trail.append(have[0])
+            if not smooth:  # the level as it moved before: alpha whatever the room
+                planner.demand.level_share = 1.0
+        sizes[smooth] = trail
+    assert set(sizes[True]) == {2}, sizes  # 78% of two workers, 30 s of room: two hold
+    assert max(sizes[False]) == 3, sizes  # the level followed the noise up
