@@ -10,9 +10,9 @@ import math
 from dataclasses import replace
 
 import pytest
+from test_plan_cli import _plan
 
 from bench.capacity_profile import CapacityProfile
-from cluster import cli
 from cluster.planner.gpus import gpu
 from cluster.planner.model_shapes import (
     MIXTRAL,
@@ -315,12 +315,6 @@ def test_calibration_from_decode_takes_off_the_line_s_bytes_per_sequence():
     got = calibrate(measured, TOY, hw, step_overhead_s=1e-4)
     assert got.source["flops_from"] == "decode_per_seq_s"
     assert got.flops == pytest.approx(0.4) and got.bandwidth == pytest.approx(0.5)
-
-
-def _plan(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = cli.main(["plan", *argv])
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_plan_mixtral_produces_a_profile(capsys, tmp_path):
