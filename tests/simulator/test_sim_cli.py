@@ -104,10 +104,12 @@ def test_a_missing_profile_is_a_clear_error(small_trace, tmp_path, capsys):
     assert "capacity profile" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not TRACES.exists(), reason=f"no shared traces at {TRACES}")
 @pytest.mark.parametrize("name", ["conv", "code"])
 def test_a_one_hour_azure_trace_simulates_in_well_under_a_minute(name):
-    requests = load_requests(TRACES / f"azure_llm_{name}_2023.csv")
+    path = TRACES / f"azure_llm_{name}_2023.csv"
+    if not path.exists():  # a shared/ checkout may hold the folder without the large files
+        pytest.skip(f"no {path.name} in the shared traces at {TRACES}")
+    requests = load_requests(path)
     profile = make_profile(max_num_seqs=128, kv_capacity_tokens=400_000, max_batch_tokens=4096)
     t0 = time.perf_counter()
     r = simulate(requests, profile, FixedPolicy(prefill=2, decode=2), SimConfig())
