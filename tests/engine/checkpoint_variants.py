@@ -1,7 +1,7 @@
 """Helpers the architecture tests share (test_phi3, test_gemma3, test_moe,
 test_qwen_sliding_window): a checkpoint copied with config.json keys changed, seeded random
-prompts, greedy output checked token for token against transformers, and logprobs checked
-against its log-softmax."""
+prompts, greedy output checked token for token against transformers, logprobs checked
+against its log-softmax, and a header-only GGUF file of an architecture."""
 
 from __future__ import annotations
 
@@ -54,3 +54,19 @@ def check_logprobs(llm: LLM, path, prompt: list[int], max_tokens: int) -> None:
         _check_entry(out.prompt_logprobs[p], ref[p - 1], prompt[p], 2)
     for j, token in enumerate(out.token_ids):
         _check_entry(out.logprobs[j], ref[len(prompt) - 1 + j], token, 3)
+
+
+def header_only_gguf(path: Path, arch: str, expert_count: int | None = None) -> Path:
+    """A GGUF file of `arch` with its metadata and no tensors: enough for ModelConfig to read
+    (and refuse) the architecture before anything is mapped."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_name(f"{arch}-test")
+    if expert_count is not None:
+        writer.add_expert_count(expert_count)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

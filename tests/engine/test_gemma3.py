@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_variants import check_greedy as _check_greedy
-from checkpoint_variants import check_logprobs, random_prompts
+from checkpoint_variants import check_logprobs, header_only_gguf, random_prompts
 from checkpoint_variants import variant as _variant
 
 from engine import LLM, SamplingParams, kernels
@@ -106,7 +106,10 @@ def test_greedy_past_the_window_on_the_other_paths(gemma, path):
     elif path == "gather-reference":
         llm.engine.backend._kernel = None
     else:
-        pytest.importorskip("triton", reason="the triton package is a test dependency")
+        pytest.importorskip(
+            "triton",
+            reason="triton is not installed (the test extra brings it on Linux x86_64 only)",
+        )
         model.use_fused_ops(kernels.gpu_ops())
         assert model.model.layers[0].input_layernorm.fused.rope_ is None
     _check_greedy(llm, gemma, _prompts(seed=1))
@@ -115,7 +118,9 @@ def test_greedy_past_the_window_on_the_other_paths(gemma, path):
 def test_greedy_past_the_window_on_the_triton_backend(gemma):
     """The CUDA attention backend (its KV write and paged decode kernels, by the interpreter
     here): decodes long past the window, so full layers read keys a sliding one must not."""
-    pytest.importorskip("triton", reason="the triton package is a test dependency")
+    pytest.importorskip(
+        "triton", reason="triton is not installed (the test extra brings it on Linux x86_64 only)"
+    )
     llm = _llm(gemma, attention_backend="triton")
     assert llm.engine.backend.name == "triton"
     _check_greedy(llm, gemma, _prompts([30], seed=3), max_tokens=12)
@@ -285,14 +290,6 @@ def test_what_the_decoder_cannot_compute_is_refused(gemma, tmp_path, change, nam
 def test_a_gemma3_gguf_file_is_refused(tmp_path):
     """engine/gguf_file.py reads llama/qwen2/qwen3 layouts; a gemma3 file is refused by name
     before anything is mapped (its norms would be read as Llama's)."""
-    import gguf
-
-    path = tmp_path / "gemma3.gguf"
-    writer = gguf.GGUFWriter(path, "gemma3")
-    writer.add_name("gemma3-test")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = header_only_gguf(tmp_path / "gemma3.gguf", "gemma3")
     with pytest.raises(GGUFError, match="'general.architecture' is 'gemma3'"):
         ModelConfig.from_pretrained(path)

@@ -15,7 +15,13 @@ import dataclasses
 import fp8_checkpoints as fc
 import pytest
 import torch
-from checkpoint_variants import check_greedy, check_logprobs, random_prompts, variant
+from checkpoint_variants import (
+    check_greedy,
+    check_logprobs,
+    header_only_gguf,
+    random_prompts,
+    variant,
+)
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
@@ -380,15 +386,6 @@ def test_olmoe_is_refused_by_name(tmp_path):
 def test_a_gguf_file_with_experts_is_refused(tmp_path, arch, named):
     """llama.cpp writes Mixtral as "llama" with `llama.expert_count`, Qwen3-MoE as "qwen3moe";
     both refused before anything is mapped."""
-    import gguf
-
-    path = tmp_path / "moe.gguf"
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_name("moe-test")
-    writer.add_expert_count(8)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = header_only_gguf(tmp_path / "moe.gguf", arch, expert_count=8)
     with pytest.raises(GGUFError, match=named):
         ModelConfig.from_pretrained(path)

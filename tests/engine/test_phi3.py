@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_variants import check_greedy as _check_greedy
+from checkpoint_variants import header_only_gguf
 from checkpoint_variants import random_prompts as _prompts
 from checkpoint_variants import variant as _variant
 from safetensors.torch import load_file, save_file
@@ -136,15 +137,7 @@ def test_what_the_decoder_cannot_compute_is_refused(make_tiny_model, tmp_path, f
 
 
 def test_a_phi3_gguf_file_is_refused(tmp_path):
-    import gguf
-
-    path = tmp_path / "phi3.gguf"
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_name("phi3-test")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = header_only_gguf(tmp_path / "phi3.gguf", "phi3")
     with pytest.raises(GGUFError, match="'general.architecture' is 'phi3'"):
         ModelConfig.from_pretrained(path)
 
