@@ -1,8 +1,9 @@
 """Request-length traces: load a CSV of arrivals and lengths, and scale it for replay.
 
-The format is the Azure LLM inference trace 2023 (the Splitwise traces in ../shared/traces):
-columns `TIMESTAMP` (`2023-11-16 18:17:03.9799600`, or plain seconds), `ContextTokens`
-(prompt length) and `GeneratedTokens` (output length). Extra columns are ignored.
+The format is the Azure LLM inference traces' (2023, the Splitwise traces in ../shared/traces,
+and 2024, DynamoLLM's week-long ones): columns `TIMESTAMP` (`2023-11-16 18:17:03.9799600`,
+`2024-05-10 00:00:00.009930+00:00`, or plain seconds), `ContextTokens` (prompt length) and
+`GeneratedTokens` (output length). Extra columns are ignored.
 
 Lifecycle: `load_trace(path)` -> raw `TraceRequest`s, arrivals in seconds relative to the
 earliest row (the first row of a time-sorted trace) -> `scale_trace(...)` -> what a benchmark
@@ -12,8 +13,10 @@ replays or a simulator feeds its planner. Both return new lists; nothing is muta
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import math
+import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -61,10 +64,21 @@ class TraceSummary:
         }
 
 
+# `2023-11-16 18:17:03.9799600` (Azure 2023: 7 fractional digits, no zone) and
+# `2024-05-10 00:00:00.009930+00:00` (Azure 2024: microseconds or none, a UTC offset); a `T`
+# between date and time and a `Z` zone are ISO 8601's and read too.
+_TIMESTAMP = re.compile(
+    r"(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:\.(\d+))?\s*(Z|[+-]\d{2}:?\d{2})?"
+)
+_EPOCH = datetime(1970, 1, 1)
+
+
 def parse_timestamp(text: str) -> tuple[int, float]:
-    """(whole seconds since the epoch, fraction) of `2023-11-16 18:17:03.9799600` or of a
+    """(whole seconds since the epoch, fraction) of a date-time (see `_TIMESTAMP`) or of a
     number. Kept in two parts because a float of epoch seconds keeps only microseconds, and
-    the Azure traces carry 7 fractional digits (more than `datetime` parses too)."""
+    the Azure 2023 traces carry 7 fractional digits (more than `datetime` parses). A UTC
+    offset is taken off, so rows in different zones (or either side of a DST change) keep
+    their true order and spacing; a date-time without one is read as UTC."""
     text = text.strip()
     try:
         value = float(text)
@@ -75,55 +89,105 @@ def parse_timestamp(text: str) -> tuple[int, float]:
             raise ValueError(f"unreadable timestamp {text!r}")
         whole = math.floor(value)
         return whole, value - whole
-    whole_text, _, frac = text.partition(".")
-    try:
-        base = datetime.strptime(whole_text, "%Y-%m-%d %H:%M:%S")
-    except ValueError:
-        try:
-            base = datetime.fromisoformat(whole_text)
-        except ValueError as exc:
-            raise ValueError(f"unreadable timestamp {text!r}") from exc
-    if frac and not frac.isdigit():
+    match = _TIMESTAMP.fullmatch(text)
+    if match is None:
         raise ValueError(f"unreadable timestamp {text!r}")
-    # Naive datetimes: only differences are used, so the time zone is moot.
-    whole = (base.replace(tzinfo=None) - datetime(1970, 1, 1)) // timedelta(seconds=1)
-    return int(whole), float("0." + frac) if frac else 0.0
+    day, clock, frac, zone = match.groups()
+    try:
+        whole = _whole_seconds(day, clock, zone)
+    except ValueError as exc:  # a well-formed but impossible date (2024-02-30)
+        raise ValueError(f"unreadable timestamp {text!r}") from exc
+    return whole, float("0." + frac) if frac else 0.0
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+@functools.lru_cache(maxsize=4096)
+def _whole_seconds(day: str, clock: str, zone: str | None) -> int:
+    """Epoch seconds of a date and a clock time in `zone` (cached: a trace's consecutive rows
+    share their second, and `strptime` is most of a row's parse)."""
+    base = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S")
+    whole = (base - _EPOCH) // timedelta(seconds=1)
+    if zone and zone != "Z":
+        sign = -1 if zone[0] == "-" else 1
+        digits = zone[1:].replace(":", "")
+        whole -= sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
+    return int(whole)
+
+
+def load_trace(
+    path: str | Path,
+    limit: int | None = None,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+) -> list[TraceRequest]:
     """Read a trace CSV. Rows are put in time order (stable), arrivals made relative to the
-    earliest one; `limit` keeps the first N rows of the file."""
+    earliest one; `limit` keeps the first N rows kept. `start_s`/`duration_s` keep only
+    the rows arriving in [start_s, start_s + duration_s) (times still relative to the
+    earliest row): the same rows a cut after loading keeps, without holding the rest. Azure
+    2024's week-long files hold 17M and 27M rows; every row is still read (one out of order
+    must be found), but only the window's are kept."""
     path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
-    rows: list[tuple[tuple[int, float], int, int]] = []
+    if not start_s >= 0 or (duration_s is not None and not duration_s > 0):
+        raise ValueError(f"want start_s >= 0 and duration_s > 0, got {start_s}, {duration_s}")
+    end = math.inf if duration_s is None else start_s + duration_s
+    windowed = start_s > 0 or math.isfinite(end)
+    rows, in_order, first = _read_rows(path, limit, (start_s, end) if windowed else None)
+    if windowed and not in_order:  # the earliest row is not the first: keep all, then cut
+        rows, _, _ = _read_rows(path, limit, None)
+    if not rows:
+        raise ValueError(f"{path}: no requests" + (" in the window" if windowed else ""))
+    rows.sort(key=lambda r: r[0])
+    (w0, f0) = first if windowed and in_order else rows[0][0]
+    out = [TraceRequest((w - w0) + (f - f0), p, o) for (w, f), p, o in rows]
+    if windowed and not in_order:
+        out = [r for r in out if start_s <= r.arrival_s < end]
+        if not out:
+            raise ValueError(f"{path}: no requests in the window")
+    return out
+
+
+Row = tuple[tuple[int, float], int, int]
+
+
+def _read_rows(
+    path: Path, limit: int | None, window: tuple[float, float] | None
+) -> tuple[list[Row], bool, tuple[int, float] | None]:
+    """(the rows, whether their timestamps never went back, the first row's timestamp).
+    With `window`, only rows whose
+    time after the first row falls in it are kept, which is the window relative to the
+    earliest row exactly when the file is in time order (the caller rereads otherwise)."""
+    rows: list[Row] = []
+    in_order, first, last = True, None, None
     # A .gz trace (a committed slice) is read through gzip.
     opened = gzip.open(path, "rt", newline="") if path.suffix == ".gz" else path.open(newline="")
     with opened as f:
-        reader = csv.DictReader(f)
-        fields = [name.strip() for name in (reader.fieldnames or [])]
-        missing = {TIMESTAMP_COLUMN, PROMPT_COLUMN, OUTPUT_COLUMN} - set(fields)
+        reader = csv.reader(f)
+        header = [name.strip() for name in next(reader, [])]
+        missing = {TIMESTAMP_COLUMN, PROMPT_COLUMN, OUTPUT_COLUMN} - set(header)
         if missing:
-            raise ValueError(f"{path}: missing column(s) {sorted(missing)}; found {fields}")
+            raise ValueError(f"{path}: missing column(s) {sorted(missing)}; found {header}")
+        cols = [header.index(c) for c in (TIMESTAMP_COLUMN, PROMPT_COLUMN, OUTPUT_COLUMN)]
         for lineno, row in enumerate(reader, start=2):
-            row = {k.strip(): v for k, v in row.items() if k is not None}
+            if not row:
+                continue
             try:
-                rows.append(
-                    (
-                        parse_timestamp(row[TIMESTAMP_COLUMN]),
-                        int(row[PROMPT_COLUMN]),
-                        int(row[OUTPUT_COLUMN]),
-                    )
-                )
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: {exc}") from exc
+                ts, prompt, output = (row[i] for i in cols)
+                stamp = parse_timestamp(ts)
+                lengths = int(prompt), int(output)
+            except (IndexError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: {exc or 'missing field'}") from exc
+            first = first or stamp
+            in_order = in_order and (last is None or stamp >= last)
+            last = stamp
+            if window is not None:
+                t = (stamp[0] - first[0]) + (stamp[1] - first[1])
+                if not window[0] <= t < window[1]:
+                    continue
+            rows.append((stamp, *lengths))
             if limit is not None and len(rows) >= limit:
                 break
-    if not rows:
-        raise ValueError(f"{path}: no requests")
-    rows.sort(key=lambda r: r[0])
-    (w0, f0) = rows[0][0]
-    return [TraceRequest((w - w0) + (f - f0), p, o) for (w, f), p, o in rows]
+    return rows, in_order, first
 
 
 def scale_trace(

@@ -94,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     requests = shape_requests(
-        load_requests(args.trace, args.trace_format, seed=args.seed),
+        load_requests(
+            args.trace,
+            args.trace_format,
+            seed=args.seed,
+            start_s=args.trace_start_s,
+            duration_s=args.duration_s,
+        ),
         start_s=args.trace_start_s,
         duration_s=args.duration_s,
         time_scale=args.time_scale,

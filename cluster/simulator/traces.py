@@ -3,7 +3,7 @@ prompt's block hash ids where the trace has them).
 
 The formats (any of them gzip-compressed, `.gz`):
 - the Azure LLM inference trace CSVs (`TIMESTAMP`, `ContextTokens`, `GeneratedTokens`;
-  `../shared/traces/*.csv`; 2024's assumed to keep these columns, unchecked), read by
+  `../shared/traces/*.csv`; 2024's week-long ones, whose timestamps carry a UTC offset), read by
   `bench.traces`;
 - BurstGPT's CSV (`Timestamp` in seconds, `Request tokens`, `Response tokens`);
 - the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
@@ -97,9 +97,18 @@ def open_text(path: Path):
     return path.open(newline="")
 
 
-def load_requests(path: str | Path, fmt: str = "auto", seed: int = 0) -> list[SimRequest]:
+def load_requests(
+    path: str | Path,
+    fmt: str = "auto",
+    seed: int = 0,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+) -> list[SimRequest]:
     """Read a trace of any format (`fmt` one of FORMATS), in arrival order. `seed`: the draw
-    from a ServeGen slice (the other formats are logs of requests and ignore it)."""
+    from a ServeGen slice (the other formats are logs of requests and ignore it).
+    `start_s`/`duration_s`: the window `shape_requests` will cut, passed down so that an
+    Azure CSV keeps only its rows while read (a week of Azure 2024 is 27M rows); the times
+    stay relative to the trace's first request, so the cut after it keeps the same rows."""
     if fmt not in FORMATS:
         raise ValueError(f"trace format must be one of {FORMATS}, got {fmt!r}")
     path = Path(path)
@@ -116,7 +125,7 @@ def load_requests(path: str | Path, fmt: str = "auto", seed: int = 0) -> list[Si
     # The Azure CSVs have no zero lengths, but other CSVs might: a request makes >= 1 token.
     return [
         SimRequest(r.arrival_s, max(1, r.prompt_len), max(1, r.output_len))
-        for r in load_trace(path)
+        for r in load_trace(path, start_s=start_s, duration_s=duration_s)
     ]
 
 

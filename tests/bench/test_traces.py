@@ -147,3 +147,70 @@ def test_real_conv_trace():
     assert s.num_requests == 19366
     assert 1100 < s.mean_prompt_len < 1200
     assert 190 < s.mean_output_len < 230
+
+
+# The first rows of Azure 2024's week-long traces as the dataset's own notebook prints them
+# (github.com/Azure/AzurePublicDataset, analysis/AzureLLMInferenceDataset2024.ipynb: the code
+# trace's rows 0-4; the conversation trace's row 0, whose second has no fraction).
+AZURE_2024 = """TIMESTAMP,ContextTokens,GeneratedTokens
+2024-05-10 00:00:00.009930+00:00,2162,5
+2024-05-10 00:00:00.017335+00:00,2399,6
+2024-05-10 00:00:00.022314+00:00,76,15
+2024-05-10 00:00:00.037845+00:00,2376,1
+2024-05-10 00:00:00.083890+00:00,7670,8
+2024-05-10 00:00:01+00:00,1452,3
+"""
+
+
+def test_azure_2024_rows_with_a_utc_offset_are_read(tmp_path):
+    path = tmp_path / "AzureLLMInferenceTrace_code_1week.csv"
+    path.write_text(AZURE_2024)
+    t = load_trace(path)
+    assert [r.prompt_len for r in t] == [2162, 2399, 76, 2376, 7670, 1452]
+    assert [r.arrival_s for r in t] == pytest.approx(
+        [0.0, 0.007405, 0.012384, 0.027915, 0.07396, 0.99007], abs=1e-9
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "same_as"),
+    [
+        ("2024-05-10T00:00:01Z", "2024-05-10 00:00:01"),
+        ("2024-05-10 02:00:01+02:00", "2024-05-10 00:00:01"),
+        ("2024-05-09 19:00:01-0500", "2024-05-10 00:00:01"),
+        ("2024-05-10 00:00:00.009930+00:00", "2024-05-10 00:00:00.009930"),
+    ],
+)
+def test_a_utc_offset_is_taken_off_so_zones_keep_their_true_spacing(text, same_as):
+    assert parse_timestamp(text) == parse_timestamp(same_as)
+
+
+@pytest.mark.parametrize(
+    "text", ["2024-02-30 00:00:00", "2024-05-10 00:00:00.x", "2024-05-10 00:00:00+5", "5/10/24"]
+)
+def test_an_unreadable_or_impossible_timestamp_is_refused_by_its_text(text):
+    with pytest.raises(ValueError, match="unreadable timestamp"):
+        parse_timestamp(text)
+
+
+def _seconds_trace(path: Path, times: list[float]) -> Path:
+    rows = [f"{t},{100 + i},{1 + i}" for i, t in enumerate(times)]
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["sorted", "unsorted"])
+def test_a_window_read_keeps_what_a_cut_after_reading_keeps(tmp_path, in_order):
+    times = [1000.0 + 0.5 * i for i in range(200)]  # 100 s of arrivals
+    if not in_order:  # the earliest row last: the window must still be relative to it
+        times = times[1:] + times[:1]
+    path = _seconds_trace(tmp_path / "t.csv", times)
+    whole = load_trace(path)
+    cut = [r for r in whole if 20.0 <= r.arrival_s < 50.0]
+    assert load_trace(path, start_s=20.0, duration_s=30.0) == cut
+    assert len(cut) == 60 and cut[0].arrival_s == 20.0
+    assert load_trace(path, start_s=95.0) == [r for r in whole if r.arrival_s >= 95.0]
+    with pytest.raises(ValueError, match="no requests in the window"):
+        load_trace(path, start_s=500.0)
+    with pytest.raises(ValueError, match="duration_s > 0"):
+        load_trace(path, duration_s=0.0)

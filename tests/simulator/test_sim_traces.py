@@ -176,3 +176,18 @@ def test_windows_carry_the_peak_one_second_prompt_burst():
     simulate(reqs, profile, policy, SimConfig(interval_s=10.0))
     assert policy.windows[0].peak_prompt_tokens_1s == 1500
     assert policy.windows[1].peak_prompt_tokens_1s == 50
+
+
+def test_an_azure_2024_week_is_cut_while_read_to_the_rows_the_cut_keeps(tmp_path):
+    """`tandem simulate --trace-start-s/--duration-s` pass the window down to the CSV reader
+    (a week of Azure 2024 is 27M rows): the same requests as cutting after a full read."""
+    rows = ["TIMESTAMP,ContextTokens,GeneratedTokens"]
+    for i in range(3000):  # 3000 s at 1 req/s, with Azure 2024's offset timestamps
+        rows.append(f"2024-05-10 {i // 3600:02d}:{i // 60 % 60:02d}:{i % 60:02d}.25+00:00,{i},7")
+    path = tmp_path / "AzureLLMInferenceTrace_conv_1week.csv"
+    path.write_text("\n".join(rows) + "\n")
+    whole = load_requests(path)
+    read_cut = load_requests(path, start_s=600.0, duration_s=1200.0)
+    assert len(read_cut) == 1200 and read_cut[0].prompt_len == 600
+    expected = shape_requests(whole, start_s=600.0, duration_s=1200.0)
+    assert shape_requests(read_cut, start_s=600.0, duration_s=1200.0) == expected
