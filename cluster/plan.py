@@ -238,14 +238,17 @@ def mix_histograms(cfg: PlanConfig) -> tuple[LengthHistogram, LengthHistogram, f
     else the --prompt/--output pairs in equal shares."""
     prompts, outputs = LengthHistogram(), LengthHistogram()
     if cfg.trace:
-        from cluster.simulator.traces import load_requests
+        from cluster.simulator.traces import DrawnArrivals, detect_format, load_requests
 
-        requests = load_requests(cfg.trace)
+        # A ShareGPT file has lengths and no arrivals: its mix, and no rate of its own.
+        timed = detect_format(cfg.trace) != "sharegpt"
+        requests = load_requests(cfg.trace, drawn=None if timed else DrawnArrivals(1.0))
         for r in requests:
             prompts.add(r.prompt_len)
             outputs.add(r.output_len)
         span = requests[-1].arrival_s - requests[0].arrival_s
-        return prompts, outputs, (len(requests) - 1) / span if span > 0 else None
+        rate = (len(requests) - 1) / span if span > 0 and timed else None
+        return prompts, outputs, rate
     for p, o in cfg.pairs():
         prompts.add(p)
         outputs.add(o)

@@ -26,7 +26,13 @@ from cluster.planner.types import COLOCATED_POOL, DECODE_POOL, PREFILL_POOL
 from cluster.simulator import report
 from cluster.simulator.run import SimConfig, SimResult, simulate
 from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
-from cluster.simulator.traces import FORMATS, SimRequest, load_requests, shape_requests
+from cluster.simulator.traces import (
+    FORMATS,
+    DrawnArrivals,
+    SimRequest,
+    load_requests,
+    shape_requests,
+)
 from engine.config_flags import add_flags, values_from_args
 
 SWEEPS = ("best-static", "best-colocated")
@@ -35,7 +41,11 @@ DEFAULT_OUT = "benchmarks/results/simulate"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace")
-    g.add_argument("--trace", required=True, help="Azure CSV or Mooncake JSONL trace")
+    g.add_argument(
+        "--trace",
+        required=True,
+        help="Azure or BurstGPT CSV, Mooncake JSONL, ServeGen slice or ShareGPT JSON",
+    )
     g.add_argument("--trace-format", choices=FORMATS, default="auto", help="(default: auto)")
     g.add_argument("--trace-start-s", type=float, default=0.0, help="skip the trace's first S s")
     g.add_argument("--duration-s", type=float, default=None, help="keep S s of the trace")
@@ -59,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seed",
         type=int,
         default=0,
-        help="seed of the copies' offsets and of a ServeGen slice's draw (default: 0)",
+        help="seed of the copies' offsets, of a ServeGen slice's draw and of a ShareGPT "
+        "trace's sample and arrivals (default: 0)",
     )
+    _add_drawn_arrival_arguments(g)
     s = parser.add_argument_group("simulation")
     s.add_argument("--profile", required=True, help="capacity profile JSON (tandem plan/profile)")
     s.add_argument(
@@ -84,6 +96,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, PlannerConfig, title="planner")
 
 
+def _add_drawn_arrival_arguments(g: argparse._ArgumentGroup) -> None:
+    """The flags of a trace without timestamps (ShareGPT): its arrivals and its token counts."""
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="arrivals per second drawn for a trace without timestamps (ShareGPT; required)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of those inter-arrivals (1: Poisson; below 1 burstier; default: 1)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model directory whose tokenizer counts a ShareGPT trace's tokens (default: "
+        "an estimate of 4 UTF-8 bytes per token)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
@@ -100,6 +134,7 @@ def _run(args: argparse.Namespace) -> int:
             seed=args.seed,
             start_s=args.trace_start_s,
             duration_s=args.duration_s,
+            drawn=DrawnArrivals(args.request_rate, args.burstiness, args.tokenizer),
         ),
         start_s=args.trace_start_s,
         duration_s=args.duration_s,

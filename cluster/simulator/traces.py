@@ -9,6 +9,8 @@ The formats (any of them gzip-compressed, `.gz`):
 - the Mooncake JSONL format: one JSON object a line with `timestamp` (milliseconds),
   `input_length`, `output_length` and `hash_ids` (one id per `BLOCK_TOKENS`-token block of the
   prompt; equal ids at the same place mean a shared prefix, which a prefix cache can hit);
+- ShareGPT conversations (a JSON array, or JSON Lines): no timestamps, so arrivals are drawn
+  at a given rate and the lengths counted (`sharegpt.py`);
 - a slice of ServeGen's per-client characterization (`*.servegen.json.gz`): not a log of
   requests but rates, burstiness and length PDFs per client, drawn from with a seed
   (`servegen.py`).
@@ -32,13 +34,25 @@ from pathlib import Path
 from bench.traces import load_trace
 
 from .servegen import draw_servegen
+from .sharegpt import is_sharegpt, load_tokenizer_for, sharegpt_requests
 
-FORMATS = ("auto", "azure", "mooncake", "burstgpt", "servegen")
+FORMATS = ("auto", "azure", "mooncake", "burstgpt", "servegen", "sharegpt")
 # BurstGPT's CSV (github.com/HPMLL/BurstGPT): seconds from the trace's start, and token counts.
 BURSTGPT_FIELDS = ("Timestamp", "Request tokens", "Response tokens")
 # Mooncake's hash_ids cover the prompt in blocks of this many tokens.
 BLOCK_TOKENS = 512
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
+
+
+@dataclass(frozen=True, slots=True)
+class DrawnArrivals:
+    """How to draw arrivals for a trace without timestamps (ShareGPT, `sharegpt.py`): the
+    rate (req/s), the gamma shape of the inter-arrivals, and the model directory whose
+    tokenizer counts the lengths (None: estimated)."""
+
+    rate: float | None = None
+    burstiness: float = 1.0
+    tokenizer: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +75,10 @@ class SimRequest:
 
 
 def detect_format(path: str | Path) -> str:
-    """`servegen` for a .servegen.json(.gz), `azure` for a .csv, `mooncake` for .jsonl/.json;
-    otherwise by the first non-empty line (a JSON object is Mooncake, anything else Azure)."""
+    """`servegen` for a .servegen.json(.gz), `azure` (or `burstgpt` by its header) for a
+    .csv; otherwise by the first non-empty line: a JSON array or an object with
+    `conversations` is ShareGPT, another object (or any line of a .jsonl/.json) Mooncake,
+    anything else Azure."""
     path = Path(path)
     suffixes = [x.lower() for x in path.suffixes]
     if suffixes[-1:] == [".gz"]:
@@ -77,14 +93,18 @@ def detect_format(path: str | Path) -> str:
         except OSError:
             return "azure"
         return "burstgpt" if all(k in header for k in BURSTGPT_FIELDS) else "azure"
-    if suffix in (".jsonl", ".json"):
-        return "mooncake"
     try:
         with open_text(path) as f:
             for line in f:
                 if line.strip():
-                    return "mooncake" if line.lstrip().startswith("{") else "azure"
+                    if is_sharegpt(line):
+                        return "sharegpt"
+                    if suffix in (".jsonl", ".json") or line.lstrip().startswith("{"):
+                        return "mooncake"
+                    return "azure"
     except OSError as e:
+        if suffix in (".jsonl", ".json"):
+            return "mooncake"  # by its name; reading it will say what is wrong
         raise ValueError(f"cannot read trace {path}: {e}") from e
     raise ValueError(f"{path}: empty trace")
 
@@ -103,12 +123,14 @@ def load_requests(
     seed: int = 0,
     start_s: float = 0.0,
     duration_s: float | None = None,
+    drawn: DrawnArrivals | None = None,
 ) -> list[SimRequest]:
     """Read a trace of any format (`fmt` one of FORMATS), in arrival order. `seed`: the draw
     from a ServeGen slice (the other formats are logs of requests and ignore it).
     `start_s`/`duration_s`: the window `shape_requests` will cut, passed down so that an
     Azure CSV keeps only its rows while read (a week of Azure 2024 is 27M rows); the times
-    stay relative to the trace's first request, so the cut after it keeps the same rows."""
+    stay relative to the trace's first request, so the cut after it keeps the same rows.
+    `drawn`: the arrivals of a ShareGPT trace, which has none (its rate is required)."""
     if fmt not in FORMATS:
         raise ValueError(f"trace format must be one of {FORMATS}, got {fmt!r}")
     path = Path(path)
@@ -122,11 +144,28 @@ def load_requests(
         return load_burstgpt(path)
     if fmt == "servegen":
         return [SimRequest(t, p, o) for t, p, o in draw_servegen(path, seed)]
+    if fmt == "sharegpt":
+        return load_sharegpt(path, drawn or DrawnArrivals(), seed)
     # The Azure CSVs have no zero lengths, but other CSVs might: a request makes >= 1 token.
     return [
         SimRequest(r.arrival_s, max(1, r.prompt_len), max(1, r.output_len))
         for r in load_trace(path, start_s=start_s, duration_s=duration_s)
     ]
+
+
+def load_sharegpt(path: Path, drawn: DrawnArrivals, seed: int) -> list[SimRequest]:
+    """A ShareGPT file as requests (`sharegpt.py`), arrivals drawn at `drawn.rate`."""
+    if drawn.rate is None:
+        raise ValueError(
+            f"{path} is a ShareGPT trace, which has no timestamps: give a request rate "
+            "(--request-rate) to draw its arrivals"
+        )
+    tokenizer = load_tokenizer_for(drawn.tokenizer)
+    with open_text(path) as f:
+        rows = sharegpt_requests(
+            f, str(path), drawn.rate, seed=seed, burstiness=drawn.burstiness, tokenizer=tokenizer
+        )
+    return [SimRequest(t, p, o) for t, p, o in rows]
 
 
 def load_mooncake(path: str | Path) -> list[SimRequest]:

@@ -121,6 +121,18 @@ def test_plan_sizes_from_a_trace(capsys, tmp_path):
     assert rc == 0 and "at 4 req/s: prefill" in out
 
 
+def test_plan_takes_a_sharegpt_files_length_mix_and_no_rate_from_it(capsys, tmp_path):
+    turns = [{"from": "human", "value": "p" * 16000}, {"from": "gpt", "value": "r" * 400}]
+    trace = tmp_path / "sharegpt.json"
+    trace.write_text(json.dumps([{"id": str(i), "conversations": turns} for i in range(10)]))
+    # Its drawn arrivals are no rate: without --rate it asks for one; with it, plans the mix.
+    args = ("--model", "llama-3-8b", "--gpu", "h100", "--trace", str(trace))
+    rc, out, err = _plan(capsys, *args)
+    assert rc != 0 and "give --rate" in out + err
+    rc, out, _ = _plan(capsys, *args, "--rate", "4")
+    assert rc == 0 and "at 4 req/s: prefill" in out
+
+
 def test_plan_calibrates_from_a_measured_profile(capsys, tmp_path, make_tiny_model):
     model_dir = make_tiny_model("llama", "tiny", 0)
     from cluster.planner.model_shapes import shape_from_config
