@@ -22,14 +22,15 @@ skipped with a note.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import multiprocessing
 import os
 import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from bench.capacity_profile import CapacityProfile
 from cluster.planner import make_policy
@@ -58,6 +59,7 @@ ROWS = {
     },
 }
 RESULTS = Path("benchmarks/results")
+T, R = TypeVar("T"), TypeVar("R")
 
 
 def parse_settings(items: list[str]) -> dict[str, object]:
@@ -141,6 +143,26 @@ def run_row(job: tuple[str, dict[str, object], str]) -> dict:
     return out
 
 
+def add_run_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """The flags every planner benchmark run takes: settings, profile, jobs, JSON out."""
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--profile", default="benchmarks/results/profile-llama3-8b-h100.json")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", default=None, help=f"also write the {what} here")
+
+
+def map_jobs(fn: Callable[[T], R], jobs: list[T], workers: int) -> Iterator[R]:
+    """`fn` over `jobs`, results in order: in this process for one worker, else in spawned
+    ones (a forked child would share this process's ZMQ and NIXL state when a test suite
+    calls a benchmark's main)."""
+    if workers <= 1:
+        yield from map(fn, jobs)
+        return
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=spawn) as pool:
+        yield from pool.map(fn, jobs)
+
+
 def describe(run: dict) -> str:
     ratio = "-" if run["ratio"] is None else f"{run['ratio']:.3f}"
     return f"{run['attainment']:.4%} {run['gpu_hours']:7.3f} GPU-h vs {run['static']} -> {ratio}"
@@ -149,10 +171,7 @@ def describe(run: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated: {list(ROWS)}")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--profile", default="benchmarks/results/profile-llama3-8b-h100.json")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--json", default=None, help="also write the rows here")
+    add_run_arguments(p, "rows")
     args = p.parse_args(argv)
     rows = [r for r in args.rows.split(",") if r]
     unknown = [r for r in rows if r not in ROWS]
@@ -162,26 +181,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"changed: {settings or 'nothing (both runs are the baseline)'}", flush=True)
     jobs = [(row, settings, args.profile) for row in rows]
     results = []
-    # One job runs in this process; more in spawned ones (a forked child would share this
-    # process's ZMQ and NIXL state when a test suite calls main).
-    pool = None
-    if args.jobs > 1:
-        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-    with pool or contextlib.nullcontext():
-        for out in pool.map(run_row, jobs) if pool else map(run_row, jobs):
-            results.append(out)
-            if "skipped" in out:
-                print(f"{out['row']:13s} skipped: {out['skipped']}", flush=True)
-                continue
-            base, changed = out["baseline"], out["changed"]
-            delta = changed["gpu_hours"] / base["gpu_hours"]
-            print(
-                f"{out['row']:13s} baseline {describe(base)} | changed {describe(changed)}"
-                f" | GPU-h x{delta:.3f}",
-                flush=True,
-            )
-            peaks = ", ".join(f"{k} {v:.2f}" for k, v in out["peak_ratios"].items())
-            print(f"{'':13s} busiest second / the minute before: {peaks}", flush=True)
+    for out in map_jobs(run_row, jobs, args.jobs):
+        results.append(out)
+        if "skipped" in out:
+            print(f"{out['row']:13s} skipped: {out['skipped']}", flush=True)
+            continue
+        base, changed = out["baseline"], out["changed"]
+        delta = changed["gpu_hours"] / base["gpu_hours"]
+        print(
+            f"{out['row']:13s} baseline {describe(base)} | changed {describe(changed)}"
+            f" | GPU-h x{delta:.3f}",
+            flush=True,
+        )
+        peaks = ", ".join(f"{k} {v:.2f}" for k, v in out["peak_ratios"].items())
+        print(f"{'':13s} busiest second / the minute before: {peaks}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": settings, "rows": results}, indent=1))
     return 0

@@ -21,14 +21,10 @@ outside the repository) are skipped with a note. Simulated, not measured on GPUs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import multiprocessing
-import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from bench.capacity_profile import CapacityProfile
@@ -39,10 +35,10 @@ from cluster.simulator.sweep import best_static_for
 
 try:  # `python benchmarks/planner_generalization.py` has benchmarks/ itself on sys.path
     from benchmarks import autoscale_results as ar
-    from benchmarks.planner_ablation import parse_settings
+    from benchmarks.planner_ablation import add_run_arguments, map_jobs, parse_settings
 except ImportError:  # pragma: no cover
     import autoscale_results as ar
-    from planner_ablation import parse_settings
+    from planner_ablation import add_run_arguments, map_jobs, parse_settings
 
 # Seeds and rates none of the committed rows use (those are seed 0 at the default copies,
 # and conv x10 / code x5 at seed 1).
@@ -172,10 +168,7 @@ def describe(out: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(DEFAULT_CASES), help="TRACE:COPIES:SEED[:TTFT]")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
-    p.add_argument("--profile", default="benchmarks/results/profile-llama3-8b-h100.json")
-    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    p.add_argument("--json", default=None, help="also write the cases here")
+    add_run_arguments(p, "cases")
     args = p.parse_args(argv)
     cases = [c for c in args.cases.split(",") if c]
     for c in cases:
@@ -184,15 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planner settings changed: {settings or 'none'}; {len(cases)} cases", flush=True)
     jobs = [(c, settings, args.profile) for c in cases]
     results = []
-    # More than one job runs in spawned processes (a forked child would share this process's
-    # ZMQ and NIXL state when a test suite calls main).
-    pool = None
-    if args.jobs > 1:
-        pool = ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"))
-    with pool or contextlib.nullcontext():
-        for out in pool.map(run_case, jobs) if pool else map(run_case, jobs):
-            results.append(out)
-            print(describe(out), flush=True)
+    for out in map_jobs(run_case, jobs, args.jobs):
+        results.append(out)
+        print(describe(out), flush=True)
     ran = [r for r in results if "skipped" not in r]
     met = sum(r["met"] for r in ran)
     print(f"goal met on {met} of {len(ran)} cases run", flush=True)
