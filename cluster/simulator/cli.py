@@ -25,6 +25,7 @@ from cluster.planner.config import PlannerConfig
 from cluster.planner.types import COLOCATED_POOL, DECODE_POOL, PREFILL_POOL
 from cluster.simulator import report
 from cluster.simulator.run import SimConfig, SimResult, simulate
+from cluster.simulator.sharegpt import TURNS
 from cluster.simulator.sweep import SweepResult, best_colocated, best_static_for
 from cluster.simulator.traces import (
     FORMATS,
@@ -116,6 +117,19 @@ def _add_drawn_arrival_arguments(g: argparse._ArgumentGroup) -> None:
         help="model directory whose tokenizer counts a ShareGPT trace's tokens (default: "
         "an estimate of 4 UTF-8 bytes per token)",
     )
+    g.add_argument(
+        "--sharegpt-turns",
+        choices=TURNS,
+        default="first",
+        help="a ShareGPT conversation gives its first exchange (as vLLM's benchmark) or a "
+        "session of all, each turn resending the ones before (default: first)",
+    )
+    g.add_argument(
+        "--think-time-s",
+        type=float,
+        default=30.0,
+        help="mean seconds between a ShareGPT session's turns (exponential; default: 30)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,7 +148,13 @@ def _run(args: argparse.Namespace) -> int:
             seed=args.seed,
             start_s=args.trace_start_s,
             duration_s=args.duration_s,
-            drawn=DrawnArrivals(args.request_rate, args.burstiness, args.tokenizer),
+            drawn=DrawnArrivals(
+                args.request_rate,
+                args.burstiness,
+                args.tokenizer,
+                args.sharegpt_turns,
+                args.think_time_s,
+            ),
         ),
         start_s=args.trace_start_s,
         duration_s=args.duration_s,

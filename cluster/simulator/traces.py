@@ -47,12 +47,15 @@ MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
 @dataclass(frozen=True, slots=True)
 class DrawnArrivals:
     """How to draw arrivals for a trace without timestamps (ShareGPT, `sharegpt.py`): the
-    rate (req/s), the gamma shape of the inter-arrivals, and the model directory whose
-    tokenizer counts the lengths (None: estimated)."""
+    rate (req/s), the gamma shape of the inter-arrivals, the model directory whose tokenizer
+    counts the lengths (None: estimated), and whether each conversation gives its first
+    exchange or a session of all of them (with the mean think time between turns)."""
 
     rate: float | None = None
     burstiness: float = 1.0
     tokenizer: str | None = None
+    turns: str = "first"  # "all": each conversation a session, one request per exchange
+    think_time_s: float = 30.0  # mean seconds between a session's turns
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +141,11 @@ def load_requests(
         raise ValueError(f"no trace at {path}")
     if fmt == "auto":
         fmt = detect_format(path)
+    if fmt != "sharegpt" and drawn is not None and drawn != DrawnArrivals():
+        raise ValueError(
+            f"{path} is a {fmt} trace with its own arrivals and lengths: --request-rate, "
+            "--burstiness, --tokenizer, --sharegpt-turns and --think-time-s are for ShareGPT"
+        )
     if fmt == "mooncake":
         return load_mooncake(path)
     if fmt == "burstgpt":
@@ -163,9 +171,17 @@ def load_sharegpt(path: Path, drawn: DrawnArrivals, seed: int) -> list[SimReques
     tokenizer = load_tokenizer_for(drawn.tokenizer)
     with open_text(path) as f:
         rows = sharegpt_requests(
-            f, str(path), drawn.rate, seed=seed, burstiness=drawn.burstiness, tokenizer=tokenizer
+            f,
+            str(path),
+            drawn.rate,
+            seed=seed,
+            burstiness=drawn.burstiness,
+            tokenizer=tokenizer,
+            turns=drawn.turns,
+            think_time_s=drawn.think_time_s,
+            block_tokens=BLOCK_TOKENS,
         )
-    return [SimRequest(t, p, o) for t, p, o in rows]
+    return [SimRequest(t, p, o, ids) for t, p, o, ids in rows]
 
 
 def load_mooncake(path: str | Path) -> list[SimRequest]:

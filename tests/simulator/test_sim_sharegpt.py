@@ -37,9 +37,11 @@ def sharegpt_json(tmp_path) -> Path:
 
 def test_each_usable_conversation_is_one_request_of_its_first_exchange(sharegpt_json):
     requests = load_requests(sharegpt_json, drawn=DrawnArrivals(rate=4.0))
-    # Two conversations have a human turn followed by a reply (one after a system turn).
+    # Two conversations have a human turn followed by a reply, one after a system turn,
+    # which its prompt carries as a client would send it: 40 and 8 + 80 bytes, answers of
+    # 400 and 8 bytes, at 4 bytes a token.
     lengths = sorted((r.prompt_len, r.output_len) for r in requests)
-    assert lengths == [(10, 100), (20, 2)]  # 40/80 and 400/8 bytes at 4 bytes a token
+    assert lengths == [(10, 100), (22, 2)]
     assert requests[0].arrival_s == 0.0 and requests[1].arrival_s > 0
     assert BYTES_PER_TOKEN == 4.0
 
@@ -82,14 +84,14 @@ def test_the_seed_picks_the_sample_order_and_the_arrivals():
     one = sharegpt_requests(text, "x", 10.0, seed=1)
     assert one == sharegpt_requests(text, "x", 10.0, seed=1)
     other = sharegpt_requests(text, "x", 10.0, seed=2)
-    assert [p for _, p, _ in one] != [p for _, p, _ in other]
-    assert sorted(p for _, p, _ in one) == sorted(p for _, p, _ in other) == list(range(1, 51))
+    assert [r[1] for r in one] != [r[1] for r in other]
+    assert sorted(r[1] for r in one) == sorted(r[1] for r in other) == list(range(1, 51))
 
 
 def test_max_model_len_drops_the_pairs_that_do_not_fit():
     convs = [_conversation(0, "p" * 40, "r" * 40), _conversation(1, "p" * 400, "r" * 40)]
     kept = sharegpt_requests([json.dumps(convs)], "x", 1.0, max_model_len=50)
-    assert [(p, o) for _, p, o in kept] == [(10, 10)]
+    assert [(p, o, ids) for _, p, o, ids in kept] == [(10, 10, ())]
     with pytest.raises(ValueError, match="fits max_model_len 5"):
         sharegpt_requests([json.dumps(convs)], "x", 1.0, max_model_len=5)
 
@@ -136,3 +138,92 @@ def test_tandem_simulate_draws_a_sharegpt_trace_at_the_rate_given(tmp_path, caps
     assert 300 / 5 * 0.8 < summary["end_s"] < 300 / 5 * 1.3  # the drawn arrivals span ~60 s
     assert main(argv[:-2]) == 2  # no --request-rate: a clear error, not a crash
     assert "--request-rate" in capsys.readouterr().err
+
+
+def _chat(i: int, *messages: str) -> dict:
+    roles = ("human", "gpt")
+    turns = [{"from": roles[k % 2], "value": m} for k, m in enumerate(messages)]
+    return {"id": f"s{i}", "conversations": turns}
+
+
+def test_all_turns_make_a_session_whose_prompts_resend_the_conversation_so_far():
+    # Two sessions of three exchanges; 4 bytes a token, 512-token blocks.
+    a = _chat(0, "h" * 2400, "g" * 1600, "h" * 800, "g" * 2000, "h" * 400, "g" * 40)
+    b = _chat(1, "x" * 4000, "y" * 400, "x" * 40, "y" * 40, "x" * 40, "y" * 40)
+    reqs = sharegpt_requests([json.dumps([a, b])], "x", 2.0, turns="all", block_tokens=512)
+    first = [r for r in reqs if r[1] in (600, 1200, 1800)]
+    second = [r for r in reqs if r[1] in (1000, 1110, 1130)]
+    # Turn k's prompt: every message before its human turn, plus the turn.
+    assert [(p, o) for _, p, o, _ in first] == [(600, 400), (1200, 500), (1800, 10)]
+    assert [(p, o) for _, p, o, _ in second] == [(1000, 100), (1110, 10), (1130, 10)]
+    assert first[0][0] < first[1][0] < first[2][0]  # turns follow each other in time
+    ids = [r[3] for r in first]
+    # 600 tokens: one complete block and a partial one; the next prompt (1200) starts with
+    # it, so its first block is shared and its second (now complete) is new.
+    assert [len(x) for x in ids] == [2, 3, 4]
+    assert ids[1][0] == ids[0][0] and ids[1][1] != ids[0][1]
+    assert ids[2][:2] == ids[1][:2] and ids[2][2] != ids[1][2]
+    # No block id is shared across sessions.
+    assert not {i for r in second for i in r[3]} & {i for x in ids for i in x}
+
+
+def test_sessions_keep_the_request_rate_and_a_turn_over_max_model_len_ends_one():
+    convs = [_chat(i, *(["m" * 400] * 8)) for i in range(400)]  # 4 exchanges each
+    reqs = sharegpt_requests([json.dumps(convs)], "x", 8.0, turns="all", think_time_s=1.0)
+    span = max(r[0] for r in reqs)
+    assert len(reqs) == 1600 and 1600 / span == pytest.approx(8.0, rel=0.15)
+    # Prompts of 100, 300, 500, 700 tokens with 100-token answers: a 650-token context
+    # keeps the first three turns of each session.
+    capped = sharegpt_requests([json.dumps(convs)], "x", 8.0, turns="all", max_model_len=650)
+    assert sorted({r[1] for r in capped}) == [100, 300, 500] and len(capped) == 1200
+    with pytest.raises(ValueError, match="turns must be one of"):
+        sharegpt_requests([json.dumps(convs)], "x", 8.0, turns="some")
+
+
+def test_the_simulators_prefix_caches_hit_a_sessions_resent_turns(tmp_path):
+    from sim_fakes import FixedPolicy, make_profile
+
+    from cluster.simulator.run import SimConfig, simulate
+
+    class RecordingPolicy(FixedPolicy):
+        def __init__(self, **sizes: int) -> None:
+            super().__init__(**sizes)
+            self.windows = []
+
+        def decide(self, now, window, pools):
+            self.windows.append(window)
+            return super().decide(now, window, pools)
+
+    convs = [_chat(i, *(["w" * 2400] * 12)) for i in range(60)]  # 6 exchanges each
+    trace = tmp_path / "sg.json"
+    trace.write_text(json.dumps(convs))
+    profile = make_profile(max_num_seqs=32, startup_s=5.0)
+    uncached, promised = {}, 0.0
+    for turns in ("first", "all"):
+        reqs = load_requests(trace, drawn=DrawnArrivals(2.0, turns=turns, think_time_s=5.0))
+        policy = RecordingPolicy(prefill=1, decode=1)
+        simulate(reqs, profile, policy, SimConfig(slo_ttft_s=5.0, slo_tpot_s=1.0))
+        seen = [w for w in policy.windows if w.prompt_lengths.total]
+        uncached[turns] = sum(w.uncached_prompt_tokens for w in seen) / sum(
+            w.prompt_lengths.total for w in seen
+        )
+        if turns == "all":  # what the block ids promise one worker's cache: every block
+            known: set[int] = set()  # seen before, up to all but the prompt's last token
+            for r in reqs:
+                promised += min(512 * sum(i in known for i in r.hash_ids), r.prompt_len - 1)
+                known.update(r.hash_ids)
+            promised /= sum(r.prompt_len for r in reqs)
+    # One turn per conversation: nothing to reuse. Six turns, each resending the last: the
+    # one prefill worker's cache hits every block an earlier turn completed.
+    assert uncached["first"] == 1.0
+    assert promised > 0.5 and uncached["all"] == pytest.approx(1 - promised, abs=0.01)
+
+
+def test_the_drawn_arrival_settings_are_refused_for_a_trace_that_has_its_own(tmp_path):
+    csv = tmp_path / "azure.csv"
+    csv.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1.0,10,2\n2.0,20,3\n")
+    assert len(load_requests(csv, drawn=DrawnArrivals())) == 2  # the defaults: nothing asked
+    with pytest.raises(ValueError, match="are for ShareGPT"):
+        load_requests(csv, drawn=DrawnArrivals(rate=5.0))
+    with pytest.raises(ValueError, match="are for ShareGPT"):
+        load_requests(csv, drawn=DrawnArrivals(turns="all"))
