@@ -24,8 +24,8 @@ Lengths are token counts by `tokenizer` (anything with `__call__(texts)["input_i
 model directory's tokenizer), else an estimate of one token per `BYTES_PER_TOKEN` bytes of
 UTF-8 (English text under Llama-class tokenizers; a tokenizer is exact). vLLM's benchmark also
 drops prompts over 1024 tokens and pairs over 2048, a limit of the 2k-context models it was
-written for; here only `max_model_len` (a pair longer than the context is dropped, none by
-default) applies.
+written for; here only `max_model_len` applies (a pair longer than the context is dropped,
+and a session ends there; `tandem simulate` keeps every pair).
 """
 
 from __future__ import annotations
