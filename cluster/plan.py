@@ -241,8 +241,9 @@ def mix_histograms(cfg: PlanConfig) -> tuple[LengthHistogram, LengthHistogram, f
         from cluster.simulator.traces import DrawnArrivals, detect_format, load_requests
 
         # A ShareGPT file has lengths and no arrivals: its mix, and no rate of its own.
-        timed = detect_format(cfg.trace) != "sharegpt"
-        requests = load_requests(cfg.trace, drawn=None if timed else DrawnArrivals(1.0))
+        fmt = detect_format(cfg.trace)
+        timed = fmt != "sharegpt"
+        requests = load_requests(cfg.trace, fmt, drawn=None if timed else DrawnArrivals(1.0))
         for r in requests:
             prompts.add(r.prompt_len)
             outputs.add(r.output_len)
