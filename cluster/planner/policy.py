@@ -44,11 +44,12 @@ from .correction import (
     solve_prefill,
 )
 from .demand import DemandTracker, LengthDist, Workload, queue_share
-from .plans import Bounds, PoolPlan, fit_budget, plan_pools
+from .plans import Bounds, PoolPlan, fit_budget, plan_disaggregated, plan_pools
 from .reasons import explain, tokens
 from .sizing import (
     Corrections,
     Targets,
+    burst_decode_rate,
     burst_prefill_workers,
     decode_load,
     decode_tpot_p50,
@@ -98,8 +99,9 @@ class PoolState:
 
 def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int]:
     """The pools' minimums, or (with `expected_rate_rps`) what that load needs, and the
-    prefill workers an expected burst (`expected_peak_prompt_tokens_1s`) needs: the sizes
-    every adaptive policy starts from (the first workers asked for serve a start-up later)."""
+    workers of each pool an expected burst (`expected_peak_prompt_tokens_1s`) needs: the
+    sizes every adaptive policy starts from (the first workers asked for serve a start-up
+    later)."""
     c = config
     sizes = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
     if c.expected_rate_rps:
@@ -126,6 +128,10 @@ def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int
                 profile, c.expected_peak_prompt_tokens_1s, targets, 1.0, mu
             )
             sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], min(held, c.max_prefill))
+            rate = burst_decode_rate(profile, c.expected_peak_prompt_tokens_1s, wl, targets)
+            burst_wl = replace(wl, rate=rate)
+            burst = plan_disaggregated(profile, burst_wl, targets, Corrections(), bounds)
+            sizes[DECODE_POOL] = max(sizes[DECODE_POOL], burst.decode.workers)
     floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
     gpus = c.pool_gpus(profile.gpus_per_worker)
     return fit_budget(sizes, sizes, c.budget_gpus(gpus), {}, floors, gpus)
@@ -191,6 +197,8 @@ class Planner:
             held[PREFILL_POOL] = self._burst_hold(corr, queued_wl)
             margin = 1 + self.config.down_margin
             held_down[PREFILL_POOL] = self._burst_hold(corr, queued_wl, margin)
+            held[DECODE_POOL] = self._decode_burst_hold(corr, queued_wl)
+            held_down[DECODE_POOL] = self._decode_burst_hold(corr, queued_wl, margin)
         desired, causes, reasons = {}, {}, {}
         for pool in POOLS:
             need_up = max(_workers(plans[pool], pool), held[pool])
@@ -199,9 +207,10 @@ class Planner:
                 pool, now, need_up, need_down, have[pool], backlog[pool], plans[pool]
             )
             if held[pool] and held[pool] >= desired[pool] > _workers(plans[pool], pool):
+                what = "" if pool == PREFILL_POOL else " for their answers in flight at once"
                 reasons[pool] += (
                     f"; burst hold: {tokens(self.demand.held_peak_tokens_1s)} prompt tokens "
-                    f"within 1 s (recent peak, decaying) need {held[pool]} workers"
+                    f"within 1 s (recent peak, decaying) need {held[pool]} workers{what}"
                 )
         self._fit_budget(desired, causes, reasons, have, pools, up_wl, corr)
         for pool in POOLS:
@@ -289,6 +298,18 @@ class Planner:
         mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
         n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
         return min(n, self.bounds.max_prefill)
+
+    def _decode_burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
+        """Decode workers the sequences of the held 1-s burst peak (times `scale`) need at
+        once (`sizing.burst_decode_rate`), on the current mix without the last window's
+        queues (those are the rate plans' to size)."""
+        peak = self.demand.held_peak_tokens_1s * scale
+        rate = burst_decode_rate(self.profile, peak, wl, self.targets, corr.prefill)
+        if rate <= 0:
+            return 0
+        burst = Workload(rate, wl.prompts, wl.outputs, uncached=wl.uncached)
+        plan = plan_disaggregated(self.profile, burst, self.targets, corr, self.bounds)
+        return min(plan.decode.workers, self.bounds.max_decode)
 
     def _residual_backlog(
         self, now: float, wl: Workload, pools: PoolCounts, corr: Corrections

@@ -311,6 +311,14 @@ def size_prefill(
     return PrefillPlan(workers, cause, load, ttft, met and ttft <= goal, note)
 
 
+def burst_spread_s(profile: CapacityProfile, targets: Targets, correction: float = 1.0) -> float:
+    """Seconds over which a burst arriving within one second leaves the prefill pool sized by
+    `burst_prefill_workers`: the second it arrives in, plus the queue its last prompt may
+    wait (the TTFT goal less that prompt's own step)."""
+    own = profile.request_overhead_s + correction * profile.prefill_s(profile.max_batch_tokens)
+    return 1 + max(targets.ttft_goal - own, 0.0)
+
+
 def burst_prefill_workers(
     profile: CapacityProfile,
     peak_tokens_1s: float,
@@ -321,14 +329,39 @@ def burst_prefill_workers(
     """Prefill workers that keep a burst of `peak_tokens_1s` uncached prompt tokens arriving
     within one second under the TTFT target: C tokens/s of capacity leave the burst's last
     prompt (t = 1 s) (X - C) / C s of queue, and its own step takes `own`, so C (1 + goal -
-    own) >= X. `mu`: one worker's tokens/s on the traffic's prompt mix (`mix_service`, the
-    correction applied; default: full steps of one prompt). 0 for no burst."""
+    own) >= X (`burst_spread_s`). `mu`: one worker's tokens/s on the traffic's prompt mix
+    (`mix_service`, the correction applied; default: full steps of one prompt). 0 for no
+    burst."""
     if peak_tokens_1s <= 0:
         return 0
     if mu is None:
         mu = profile.prefill_tokens_per_s() / _capacity_factor(correction)
-    own = profile.request_overhead_s + correction * profile.prefill_s(profile.max_batch_tokens)
-    return math.ceil(peak_tokens_1s / (mu * (1 + max(targets.ttft_goal - own, 0.0))) - 1e-9)
+    spread = burst_spread_s(profile, targets, correction)
+    return math.ceil(peak_tokens_1s / (mu * spread) - 1e-9)
+
+
+def burst_decode_rate(
+    profile: CapacityProfile,
+    peak_tokens_1s: float,
+    wl: Workload,
+    targets: Targets,
+    correction: float = 1.0,
+) -> float:
+    """The request rate whose steady load puts as many sequences in the decode pool as a
+    burst of `peak_tokens_1s` uncached prompt tokens within one second does (0 for none).
+    The burst's prompts (`peak / mean uncached prompt` of them) leave the prefill pool over
+    `burst_spread_s`, and each then lives its answer at the TPOT target: the sequences in
+    flight at once are the burst's count times the smaller share of lifetime over spread, as
+    many as a steady rate of count / max(spread, lifetime) keeps (Little's law). It binds
+    where answers are short and bursts large (Azure code x10: 1,700 TPOT misses at one
+    decode worker whose batch of 256 long contexts stepped past 50 ms); answers that outlive
+    the spread are the rate's own sizing."""
+    per_request = wl.prompts.mean() * wl.uncached
+    if peak_tokens_1s <= 0 or per_request <= 0:
+        return 0.0
+    lifetime = wl.outputs.mean() * targets.slo_tpot_s
+    spread = burst_spread_s(profile, targets, correction)
+    return peak_tokens_1s / per_request / max(spread, lifetime)
 
 
 # -- decode ------------------------------------------------------------------------------------

@@ -12,9 +12,14 @@ from planner_fakes import follow, pools, round_profile, window
 
 from cluster.planner import make_policy, policy
 from cluster.planner.config import PlannerConfig
-from cluster.planner.demand import LengthDist
+from cluster.planner.demand import LengthDist, Workload
 from cluster.planner.policy import Planner, warm_start
-from cluster.planner.sizing import Targets, burst_prefill_workers
+from cluster.planner.sizing import (
+    Targets,
+    burst_decode_rate,
+    burst_prefill_workers,
+    burst_spread_s,
+)
 from cluster.planner.types import DECODE_POOL, PREFILL_POOL
 
 PROFILE = round_profile()  # 20k prompt tok/s per prefill worker, a full step takes 0.5 s
@@ -210,3 +215,53 @@ def test_an_expected_burst_is_held_from_the_start_and_decays_like_a_seen_one():
     assert sizes[0][0] == 5 and sizes[-1][0] == 1  # ten half-lives of quiet: let go
     off = Planner(PROFILE, replace(cfg, burst_half_life_s=0))
     assert off.demand.held_peak_tokens_1s == 0  # no hold: no expected burst either
+
+
+def test_a_burst_puts_its_count_over_the_longer_of_spread_and_lifetime_in_flight():
+    t = Targets(1.0, 0.05)
+    spread = burst_spread_s(PROFILE, t)  # 1 s of arrivals + 0.9 s goal - 0.5 s own step
+    assert math.isclose(spread, 1.4)
+
+    def rate(output: int, peak: float = 1_000_000, uncached: float = 1.0) -> float:
+        wl = Workload(2.0, LengthDist.single(1000), LengthDist.single(output), uncached)
+        return burst_decode_rate(PROFILE, peak, wl, t)
+
+    # 1,000 prompts of 1k tokens: 10-token answers live 0.5 s, shorter than the spread,
+    # so 1000 / 1.4 s keeps as many in flight; 200-token answers live 10 s, all at once.
+    assert math.isclose(rate(10), 1000 / 1.4)
+    assert math.isclose(rate(200), 1000 / 10)
+    assert math.isclose(rate(10, uncached=0.5), 2000 / 1.4)  # cached tokens: more prompts
+    assert rate(10, peak=0) == 0
+
+
+def test_a_burst_of_short_answers_holds_decode_workers_as_it_holds_prefill_ones():
+    # Azure code x10: a burst of prompts with ~28-token answers filled one decode worker's
+    # 256 slots with long contexts and stepped past the TPOT target (1,700 misses); the
+    # rate of the window alone sized one worker.
+    def run(half_life: float) -> list[tuple[int, int]]:
+        planner = Planner(PROFILE, config(down_cooldown_s=0, burst_half_life_s=half_life))
+        follow(planner, [window(10 * i, 2, output=10) for i in range(6)])
+        d = planner.decide(70, with_peak(window(60, 2, output=10), 1_000_000), pools(16, 1))
+        have, sizes = [d.desired[P], d.desired[D]], [(d.desired[P], d.desired[D])]
+        assert half_life == 0 or "burst hold" in d.reasons[D]
+        for i in range(90):  # 15 minutes of quiet
+            d = planner.decide(80 + 10 * i, window(70 + 10 * i, 2, output=10), pools(*have))
+            have = [d.desired[P], d.desired[D]]
+            sizes.append(tuple(have))
+        return sizes
+
+    held, off = run(60), run(0)
+    assert held[0][1] >= 2 and off[0][1] == 1 and all(s[1] == 1 for s in off)
+    assert held[-1][1] == 1  # and let go as the peak decays, as the prefill hold does
+
+
+def test_an_expected_burst_of_short_answers_warms_the_decode_pool():
+    cfg = config(
+        expected_rate_rps=2,
+        expected_prompt_tokens=1000,
+        expected_output_tokens=10,
+        expected_peak_prompt_tokens_1s=1_000_000,
+    )
+    assert warm_start(PROFILE, cfg)[D] >= 2
+    assert warm_start(PROFILE, replace(cfg, expected_output_tokens=200))[D] >= 2  # 1,000 live
+    assert warm_start(PROFILE, replace(cfg, expected_peak_prompt_tokens_1s=None))[D] == 1
