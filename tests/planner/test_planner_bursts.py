@@ -34,6 +34,18 @@ def config(**overrides) -> PlannerConfig:
     return PlannerConfig(**fields)
 
 
+def expected_load(output: int, peak: int, **overrides) -> PlannerConfig:
+    """A warm start's expected load: 2 req/s of 1k-token prompts, `output`-token answers and
+    a 1-s peak of `peak` prompt tokens."""
+    return config(
+        expected_rate_rps=2,
+        expected_prompt_tokens=1000,
+        expected_output_tokens=output,
+        expected_peak_prompt_tokens_1s=peak,
+        **overrides,
+    )
+
+
 def with_peak(w, peak: int):
     w.peak_prompt_tokens_1s = peak
     return w
@@ -196,14 +208,7 @@ def test_the_default_hold_outlasts_the_quiet_minutes_between_bursts():
 
 
 def test_an_expected_burst_is_held_from_the_start_and_decays_like_a_seen_one():
-    cfg = config(
-        expected_rate_rps=2,
-        expected_prompt_tokens=1000,
-        expected_output_tokens=200,
-        expected_peak_prompt_tokens_1s=140_000,
-        burst_half_life_s=60,
-        down_cooldown_s=0,
-    )
+    cfg = expected_load(200, 140_000, burst_half_life_s=60, down_cooldown_s=0)
     warm = warm_start(PROFILE, cfg)
     assert warm[P] == burst_prefill_workers(PROFILE, 140_000, Targets(1.0, 0.05)) == 5
     assert warm_start(PROFILE, replace(cfg, expected_peak_prompt_tokens_1s=None))[P] == 1
@@ -256,12 +261,7 @@ def test_a_burst_of_short_answers_holds_decode_workers_as_it_holds_prefill_ones(
 
 
 def test_an_expected_burst_of_short_answers_warms_the_decode_pool():
-    cfg = config(
-        expected_rate_rps=2,
-        expected_prompt_tokens=1000,
-        expected_output_tokens=10,
-        expected_peak_prompt_tokens_1s=1_000_000,
-    )
+    cfg = expected_load(10, 1_000_000)
     assert warm_start(PROFILE, cfg)[D] >= 2
     assert warm_start(PROFILE, replace(cfg, expected_output_tokens=200))[D] >= 2  # 1,000 live
     assert warm_start(PROFILE, replace(cfg, expected_peak_prompt_tokens_1s=None))[D] == 1
