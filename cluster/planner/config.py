@@ -64,8 +64,9 @@ class PlannerConfig:
     )
     burst_half_life_s: float = setting(
         900.0,
-        "half-life of the burst hold: the prefill pool keeps the workers the recent peak "
-        "1-s prompt burst needs, that peak decaying by half every this many seconds "
+        "half-life of the burst hold: the pools keep the workers the recent peak 1-s prompt "
+        "burst needs (prefill to clear it, decode for its answers in flight at once), that "
+        "peak decaying by half every this many seconds "
         "(bursts that recur sooner than a worker starts are met by capacity held; 0: off)",
     )
     down_hold_s: float = setting(
