@@ -154,9 +154,9 @@ def _read_rows(
     path: Path, limit: int | None, window: tuple[float, float] | None
 ) -> tuple[list[Row], bool, tuple[int, float] | None]:
     """(the rows, whether their timestamps never went back, the first row's timestamp).
-    With `window`, only rows whose
-    time after the first row falls in it are kept, which is the window relative to the
-    earliest row exactly when the file is in time order (the caller rereads otherwise)."""
+    With `window`, only rows whose time after the first row falls in it are kept, which is
+    the window relative to the earliest row exactly when the file is in time order (the
+    caller rereads otherwise)."""
     rows: list[Row] = []
     in_order, first, last = True, None, None
     # A .gz trace (a committed slice) is read through gzip.
