@@ -146,7 +146,7 @@ def _side_channels(ctx, endpoints: dict, n: int, rng_seed: int, tally: Tally):
     """A run over the KV side channels: each message must get its one answer."""
     import zmq
 
-    from engine.wire import decode
+    from engine.protocol import decode
     from tests.fuzz.frames import MESSAGES, side_channel_answer
 
     dealers = {}

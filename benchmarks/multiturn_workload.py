@@ -30,7 +30,7 @@ import json
 import random
 from pathlib import Path
 
-from engine.block_hash import prefix_block_hashes
+from engine.kv_events import prefix_block_hashes
 
 Turn = tuple[list[int], int]  # (prompt token ids, max_tokens)
 MOONCAKE_BLOCK = 512

@@ -60,8 +60,8 @@ TEXT = (
 ROUTER_LAUNCHER = """
 import os, runpy, sys
 tree = os.path.realpath(sys.argv[1]) + os.sep
-import engine.wire, router
-for mod in (router, engine.wire):
+import engine.protocol, router
+for mod in (router, engine.protocol):
     path = os.path.realpath(mod.__file__)
     if not path.startswith(tree):
         sys.exit(f"TREE MISMATCH: {mod.__name__} from {path}, wanted under {tree}")
@@ -138,7 +138,7 @@ class Side:
         wcmd += ["--max-output", str(args.max_tokens)]
         worker = self._spawn(wcmd, env, wlog)
         endpoint = wait_for_line(worker, wlog, "ENDPOINT", 60)
-        check_under(wait_for_line(worker, wlog, "ENGINE", 10), self.tree, "worker's engine.wire")
+        check_under(wait_for_line(worker, wlog, "ENGINE", 10), self.tree, "worker's codec module")
         self.worker_pid = worker.pid
         workers_json = logdir / f"{self.name}-workers.json"
         entry = {"worker_id": f"fake-{self.name}", "role": "decode", "request_endpoint": endpoint}

@@ -1,10 +1,11 @@
 """The fake decode worker of benchmarks/router_overhead.py: streams canned tokens, no model.
 
 Run as `python benchmarks/router_overhead_worker.py --tree TREE --tokens 1,2,3 ...` with TREE
-first on sys.path (PYTHONPATH=TREE, cwd=TREE). It imports only `engine.wire` (encode/decode)
-and `engine.protocol` (the constructor keywords and attributes of `GenerateRequest`,
-`TokenMessage` and `AbortRequest` that every tree shares), so the same source runs against the
-old tree's router and the new one, each with its own wire format.
+first on sys.path (PYTHONPATH=TREE, cwd=TREE). It imports only the codec (encode/decode:
+`engine.protocol` since 2026-11-29, `engine.wire` in older trees) and `engine.protocol` (the
+constructor keywords and attributes of `GenerateRequest`, `TokenMessage` and `AbortRequest`
+that every tree shares), so the same source runs against the old tree's router and the new
+one, each with its own wire format.
 
 Lifecycle: check that `engine` comes from TREE (exit 3 otherwise: the venv's editable install
 would silently put /work/main in its place), bind a PULL socket on a random local port, print
@@ -23,6 +24,18 @@ import os
 import signal
 import sys
 import time
+
+
+def codec_module():
+    """The module holding encode/decode: engine.protocol (engine/wire.py merged into it on
+    2026-11-29) or, in an older tree, engine.wire."""
+    import importlib
+
+    import engine.protocol
+
+    if hasattr(engine.protocol, "decode"):
+        return engine.protocol
+    return importlib.import_module("engine.wire")
 
 
 def check_tree(tree: str, *modules) -> None:
@@ -44,9 +57,9 @@ class FakeDecode:
         import zmq
 
         from engine.protocol import AbortRequest, GenerateRequest, TokenMessage
-        from engine.wire import decode, encode
 
-        self._zmq, self._decode, self._encode = zmq, decode, encode
+        codec = codec_module()
+        self._zmq, self._decode, self._encode = zmq, codec.decode, codec.encode
         self._types = (GenerateRequest, AbortRequest, TokenMessage)
         self.ctx, self.tokens, self.chunk, self.max_output = ctx, tokens, chunk, max_output
         self.pull = ctx.socket(zmq.PULL)
@@ -108,16 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     import zmq
 
     import engine.protocol
-    import engine.wire
 
-    check_tree(args.tree, engine.wire, engine.protocol)
+    codec = codec_module()
+    check_tree(args.tree, codec, engine.protocol)
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.append(1))
     ctx = zmq.Context()
     worker = FakeDecode(ctx, [int(t) for t in args.tokens.split(",")], args.chunk, args.max_output)
     print(f"ENDPOINT tcp://127.0.0.1:{worker.port}", flush=True)
-    print(f"ENGINE {engine.wire.__file__}", flush=True)
+    print(f"ENGINE {codec.__file__}", flush=True)
     while not stop:
         worker.take_requests()
         worker.step()

@@ -104,8 +104,7 @@ def handoff(path, tp: int, dtp: int, prompts: list[list[int]]) -> dict:
 
     from decode_worker.server import decode_server
     from engine.llm_engine import EngineConfig, LLMEngine
-    from engine.protocol import PrefillRequest, SamplingParams, TokenMessage
-    from engine.wire import decode, encode
+    from engine.protocol import PrefillRequest, SamplingParams, TokenMessage, decode, encode
     from kv_transfer.agent import KVTransferAgent
     from prefill_worker.server import prefill_server
 

@@ -2,8 +2,8 @@
 Llama-family models, sampling, and the `LLM` offline entry point.
 
 The public names are resolved lazily (PEP 562) so the torch-free modules the router needs
-(`engine.protocol`, `engine.wire`, `engine.roles`, `engine.config_flags`, `engine.model_info`)
-can be imported without loading torch.
+(`engine.protocol`, `engine.kv_events`, `engine.roles`, `engine.config_flags`,
+`engine.model_info`) can be imported without loading torch.
 """
 
 from __future__ import annotations

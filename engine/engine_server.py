@@ -34,8 +34,17 @@ from engine.kv_cache import DEVICE_TIER, HOST_TIER
 from engine.kv_events import KVEventPublisher
 from engine.llm_engine import LLMEngine
 from engine.outputs import TokenOutput
-from engine.protocol import AbortRequest, GenerateRequest, Shutdown, TokenMessage, WorkerLoad
-from engine.wire import DEFAULT_MAX_FRAME_BYTES, WireError, decode, encode
+from engine.protocol import (
+    DEFAULT_MAX_FRAME_BYTES,
+    AbortRequest,
+    GenerateRequest,
+    Shutdown,
+    TokenMessage,
+    WireError,
+    WorkerLoad,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 

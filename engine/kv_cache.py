@@ -19,7 +19,7 @@ hash chains the previous block's hash with this block's token ids, so equal hash
 prefixes. A free block keeps its hash until it is reused for other tokens, so a later
 request with the same prefix can take it back (a prefix-cache hit) without recomputation.
 
-A request's `cache_salt` seeds its chain (engine/block_hash.py): every method that hashes a
+A request's `cache_salt` seeds its chain (engine/kv_events.py): every method that hashes a
 request's tokens takes its `salt`, so a salted prompt matches only blocks cached under the same
 salt, never another tenant's or the unsalted ones.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import hash_block, lookup_blocks, prefix_block_hashes
+from engine.kv_events import hash_block, lookup_blocks, prefix_block_hashes
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KV_DTYPES = ("auto", "fp8_e4m3")

@@ -9,7 +9,7 @@ pool is an LRU by hash with a fixed number of slots (`capacity_bytes // bytes pe
 hash already in it is only refreshed (equal hashes mean equal KV).
 
 Salts: the pool keeps the device's hashes, which are salted by the request's `cache_salt`
-(engine/block_hash.py), and a lookup here chains under the asking request's salt, so a demoted
+(engine/kv_events.py), and a lookup here chains under the asking request's salt, so a demoted
 block comes back only to requests of the salt it was computed for.
 
 Promotion (`allocate`): after the device prefix match the chain goes on in the host pool; the

@@ -30,13 +30,12 @@ from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.models.parallel import check_tp_settings
 from engine.outputs import TokenOutput
-from engine.protocol import SCHEDULING_POLICIES, SamplingParams
+from engine.protocol import SCHEDULING_POLICIES, SamplingParams, trusted
 from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
 from engine.sampler import skip_draw
 from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
-from engine.wire import trusted
 
 log = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "dummy")

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_hash import prefix_block_hashes
 from engine.kv_cache import BlockManager
+from engine.kv_events import prefix_block_hashes
 from engine.protocol import SCHEDULING_POLICIES, SamplingParams
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from engine.wire import WireError, decode, encode
+from engine.protocol import WireError, decode, encode
 from kv_transfer.errors import HandshakeError, PeerNotAllowedError
 from kv_transfer.messages import AgentMetadata, Hello, HelloReply
 from kv_transfer.nixl import BlockRegion, NixlEndpoint

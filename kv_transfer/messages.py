@@ -1,5 +1,5 @@
-"""Messages of the KV hand-off and of the agents' side channel (msgpack via `engine.wire`), and
-the checks of who may exchange them.
+"""Messages of the KV hand-off and of the agents' side channel (msgpack via the codec in
+`engine.protocol`), and the checks of who may exchange them.
 
 Hand-off (prefill worker -> decode worker, on the workers' own ZMQ sockets): `KVReady`.
 
@@ -16,9 +16,9 @@ Side channel (receiver's DEALER -> sender's ROUTER, one connection per agent pai
            <------------------------ ErrorReply{message}   (the agent keeps serving)
 
 The NIXL notification that ends a READ carries `ReadComplete{rid}`, encoded the same way.
-Every frame is size-limited and every message an `engine.wire.Frame`: its fields' types and
-bounds are declared on them (and rules across fields in `check()`), so a bad frame becomes
-`engine.wire.WireError`, never a crash or a half-built object.
+Every frame is size-limited and every message an `engine.protocol.Frame`: its fields' types
+and bounds are declared on them (and rules across fields in `check()`), so a bad frame becomes
+`engine.protocol.WireError`, never a crash or a half-built object.
 
 Peers: an agent exchanges KV only with those whose KV layout matches its own (`Compat`) and,
 given the registry's current name -> instance id map, only the incarnations it lists
@@ -63,13 +63,14 @@ from engine.protocol import (
     MAX_N,
     Count,
     Endpoint,
+    Frame,
     Name,
     PromptIds,
     RequestId,
     SamplingParams,
     TokenId,
+    message,
 )
-from engine.wire import Frame, message
 from kv_transfer.errors import (
     PeerNotAllowedError,
     StalePeerError,
@@ -170,7 +171,7 @@ class PrefixPull(Frame):
     """Prefill worker -> a worker whose prefix cache holds leading blocks of a prompt it is
     about to compute: hold your cached blocks from block `first_block` of `prompt_token_ids`
     (whole blocks only) for agent `reader` to READ; answer with a `PrefixOffer` at
-    `reply_to`. `cache_salt`: the reader's request's (engine/block_hash.py); the holder pins
+    `reply_to`. `cache_salt`: the reader's request's (engine/kv_events.py); the holder pins
     only blocks cached under it, so a pull never serves one tenant another's prefix."""
 
     pull_id: RequestId

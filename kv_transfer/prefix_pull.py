@@ -20,7 +20,7 @@ decode worker of a split pool) names it (`prefix_from`), and the reader pulls:
     ReadDone -> the blocks join its prefix cache (`BlockManager.adopt`), the request enters
     the engine, whose prefix lookup now finds them: only the rest is computed
 
-Salts: both sides hash the prompt under the request's `cache_salt` (engine/block_hash.py): the
+Salts: both sides hash the prompt under the request's `cache_salt` (engine/kv_events.py): the
 reader pins its own prefix and adopts the blocks it read under it, and the holder, told it in
 the `PrefixPull`, pins only blocks cached under the same salt. A pull never moves one salt's
 KV to another's request.

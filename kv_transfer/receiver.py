@@ -60,7 +60,7 @@ from typing import Any, Literal
 
 import zmq
 
-from engine.wire import encode
+from engine.protocol import encode
 from kv_transfer.errors import HandshakeError, TransferError, quietly
 from kv_transfer.events import (
     ReadDone,

@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from engine.wire import WireError, decode
+from engine.protocol import WireError, decode
 from kv_transfer.errors import PeerNotAllowedError, TransferError
 from kv_transfer.events import Released, TransferStats
 from kv_transfer.messages import MAX_NOTIF_BYTES, Abort, PeerPolicy, ReadComplete, Renew, RenewReply

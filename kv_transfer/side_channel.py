@@ -19,7 +19,7 @@ One round of the thread's loop:
     every heartbeat_s: Receiver.beat (renewals, silent senders marked down)
     send queued frames
 
-Every frame is one typed `engine.wire` message under `max_frame_bytes`; a malformed, pickled,
+Every frame is one typed `engine.protocol` message under `max_frame_bytes`; a malformed, pickled,
 oversized, multi-part or out-of-order frame is counted in `rejected_frames` and, on the
 ROUTER, answered with an `ErrorReply` (the channel keeps serving). Every socket has ZMQ's
 receive size cap (MAXMSGSIZE, 4x the frame limit: a peer sending more is disconnected before
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 
-from engine.wire import WireError, decode, encode
+from engine.protocol import WireError, decode, encode
 from kv_transfer.errors import quietly
 from kv_transfer.events import TransferStats
 from kv_transfer.faults import FaultPlan

@@ -40,8 +40,7 @@ from typing import Annotated
 import numpy as np
 from msgspec import Meta
 
-from engine.protocol import MAX_IDS, Count, Name, RequestId
-from engine.wire import Frame, decode, encode, message
+from engine.protocol import MAX_IDS, Count, Frame, Name, RequestId, decode, encode, message
 from kv_transfer.errors import HandshakeError, quietly
 from kv_transfer.faults import FaultPlan, ReadFaults
 from kv_transfer.handshake import slice_plan

@@ -2,7 +2,7 @@
 
 Lifecycle: `start()` binds the PULL socket on `bind_host` (port from the config or the OS) and
 starts the receive loop; `register(rid)` opens a per-request queue before the request is sent;
-the loop decodes each frame (`engine.wire.decode`, size-limited, TokenMessage only) and puts it
+the loop decodes each frame (`engine.protocol.decode`, size-limited, TokenMessage only) and puts it
 on its request's queue; `unregister(rid)` drops the queue when the request ends, after which
 late messages for it are discarded. A frame that does not decode is logged and counted, never
 fatal. `send(endpoint, msg)` PUSHes one encoded message, connecting lazily; `retain(endpoints)`
@@ -18,8 +18,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
-from engine.protocol import TokenMessage
-from engine.wire import WireError, decode, encode
+from engine.protocol import TokenMessage, WireError, decode, encode
 from router.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)

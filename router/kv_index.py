@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.block_hash import lookup_blocks, prefix_block_hashes
-from engine.kv_events import KVEventBatch, KVSnapshot
+from engine.kv_events import KVEventBatch, KVSnapshot, lookup_blocks, prefix_block_hashes
 
 TIER_WEIGHT = {"device": 1.0, "host": 0.5}
 MAX_BUFFERED_BATCHES = 256

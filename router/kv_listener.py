@@ -8,7 +8,7 @@ a worker that left the directory (or is DOWN) is disconnected and forgotten. A r
 `KVSnapshotRequest` on a fresh DEALER socket to the worker's snapshot endpoint, answered (in
 one frame, or in parts that are merged) within `RESYNC_TIMEOUT_S` or abandoned (the worker's
 next batch or heartbeat asks again), at most one
-in flight per worker. Frames are msgspec (engine.wire), size-capped; a bad one is counted and
+in flight per worker. Frames are msgspec (engine.protocol), size-capped; a bad one is counted and
 dropped.
 """
 
@@ -22,7 +22,7 @@ import zmq
 import zmq.asyncio
 
 from engine.kv_events import KVEventBatch, KVSnapshot, KVSnapshotRequest
-from engine.wire import WireError, decode, encode
+from engine.protocol import WireError, decode, encode
 from router.directory import DOWN, WorkerInfo
 from router.kv_index import KVIndex
 from router.tasks import cancel_and_wait

@@ -6,7 +6,7 @@ Policies: pure functions over a `LoadView` (the router's copy of the workers' lo
 unit tested without sockets. `--routing affinity` (`plan_route`) guesses where a prefix lives
 from a rendezvous hash of the prompt's first tokens; `--routing kv-events` (the default,
 `plan_route_kv`) reads the router's KV index (router/kv_index.py, fed by the workers' KV
-events; prompt blocks hashed as the engine hashes them, engine/block_hash.py): the decode
+events; prompt blocks hashed as the engine hashes them, engine/kv_events.py): the decode
 worker by batch pressure less a credit for the share of the prompt it holds, local prefill
 when that worker would compute fewer than `disagg_threshold` tokens, the prefill worker by
 queued plus would-be-computed tokens, and a prefix source to READ from (prefix pull).

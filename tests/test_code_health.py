@@ -121,10 +121,10 @@ def test_imports_point_down_the_layers(package):
 def test_the_import_scanner_sees_lazy_relative_and_conditional_imports():
     """So the layer test cannot pass by not looking."""
     src = (
-        "import engine.wire\n"
+        "import engine.protocol\n"
         "from .sibling import thing\n"
         "try:\n    from router import server\nexcept ImportError:\n    pass\n"
         "def f():\n    import cluster.serve\n"
     )
     found = _imports(ast.parse(src), "kv_transfer.agent")
-    assert {"engine.wire", "router.server", "cluster.serve", "kv_transfer.sibling"} <= found
+    assert {"engine.protocol", "router.server", "cluster.serve", "kv_transfer.sibling"} <= found

@@ -1,16 +1,17 @@
-"""No pickle anywhere a frame could come from (DESIGN.md: msgpack via engine/wire.py, never
-pickle), checked on the source with ast (nothing is imported), in every package that runs in
-a worker, the router, the controller or the benchmarks:
+"""No pickle anywhere a frame could come from (DESIGN.md: msgpack via the codec in
+engine/protocol.py, never pickle), checked on the source with ast (nothing is imported), in
+every package that runs in a worker, the router, the controller or the benchmarks:
 
 - no import of a pickle-family module (pickle, cloudpickle, dill, marshal, shelve, ...),
   also through __import__ / importlib.import_module with a literal name;
 - no pyzmq object helpers (send_pyobj, recv_pyobj, send_serialized, recv_serialized), called
   or looked up by name, and no pandas read_pickle;
 - torch.load only with weights_only=True; no allow_pickle=True (numpy);
-- msgpack is decoded only in engine/wire.py (msgpack's unpackers and msgspec.msgpack's decoders),
-  and there with a size check of the frame before unpacking: a `len(frame)` comparison before
-  `msgpack.unpackb(frame, ...)` or any `<decoder>.decode(frame)`; msgpack's own also with
-  raw=False and strict_map_key=True (an Unpacker also needs max_buffer_size).
+- msgpack is decoded only in the codec, engine/protocol.py (msgpack's unpackers and
+  msgspec.msgpack's decoders), and there with a size check of the frame before unpacking: a
+  `len(frame)` comparison before `msgpack.unpackb(frame, ...)` or any `<decoder>.decode(frame)`;
+  msgpack's own also with raw=False and strict_map_key=True (an Unpacker also needs
+  max_buffer_size).
 
 A finding names file:line. The scanner is tested on planted violations, so a scan that finds
 nothing proves something.
@@ -26,7 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROOTS = ("engine", "kv_transfer", "router", "prefill_worker", "decode_worker", "cluster", "bench")
-WIRE = "engine/wire.py"
+WIRE = "engine/protocol.py"  # the codec
 PICKLE_MODULES = {
     "pickle",
     "_pickle",
@@ -115,7 +116,7 @@ class _Scan(ast.NodeVisitor):
             self._msgpack_decode(node, attr or name)
         dotted = self._msgspec_path(func)
         if dotted in MSGSPEC_DECODERS and self.rel != WIRE:
-            self.report(node, f"{dotted} outside {WIRE} (decode frames with engine.wire)")
+            self.report(node, f"{dotted} outside {WIRE} (decode frames with engine.protocol)")
         if self.rel == WIRE and attr == "decode" and not self._size_checked(node):
             if isinstance(node.args[0] if node.args else None, ast.Name):
                 self.report(node, f"{ast.unparse(func)} without a size check of its frame first")
@@ -146,7 +147,9 @@ class _Scan(ast.NodeVisitor):
 
     def _msgpack_decode(self, node: ast.Call, decoder: str) -> None:
         if self.rel != WIRE:
-            self.report(node, f"msgpack.{decoder} outside {WIRE} (decode frames with engine.wire)")
+            self.report(
+                node, f"msgpack.{decoder} outside {WIRE} (decode frames with engine.protocol)"
+            )
             return
         needed = [("raw", False), ("strict_map_key", True)]
         if decoder == "Unpacker":
@@ -216,7 +219,7 @@ def test_no_pickle_in_the_serving_packages():
 
 
 def test_the_wire_module_is_scanned_and_passes():
-    """engine/wire.py really unpacks msgpack (msgspec's typed decoders): the rules for it are
+    """engine/protocol.py (the codec) really unpacks msgpack (msgspec's typed decoders): the rules for it are
     exercised, not vacuous."""
     source = (REPO / WIRE).read_text(encoding="utf-8")
     assert "msgspec.msgpack.Decoder(" in source and ".decode(frame)" in source

@@ -1,4 +1,4 @@
-"""vLLM's `cache_salt` (engine/block_hash.py): a salted request's prefix-cache blocks hash apart
+"""vLLM's `cache_salt` (engine/kv_events.py): a salted request's prefix-cache blocks hash apart
 from every other salt's and from the unsalted ones, on every path that hashes a request's tokens:
 the block manager's lookups, allocations, pins and adoptions; the scheduler's in-batch sharing;
 the engine's commits; the decode side of a hand-off; the host tier. A request never hits

@@ -1,7 +1,7 @@
-"""engine.wire's frames (msgspec Structs): every message type round-trips; types are strict (a
-bool is not an int); unknown fields, unknown tags, other wire versions, oversized frames and
-nested constraint violations are refused with a WireError and nothing else; a value is checked
-once (built in Python: by `__post_init__`; decoded: by the decoder, not again)."""
+"""engine.protocol's codec and frames (msgspec Structs): every message type round-trips; types
+are strict (a bool is not an int); unknown fields, unknown tags, other wire versions, oversized
+frames and nested constraint violations are refused with a WireError and nothing else; a value
+is checked once (built in Python: by `__post_init__`; decoded: by the decoder, not again)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,19 @@ import msgspec
 import pytest
 from fuzz.frames import templates
 
-from engine import wire
+from engine import protocol
 from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot, KVSnapshotRequest
-from engine.protocol import GenerateRequest, PrefillRequest, SamplingParams, Shutdown, TokenMessage
-from engine.wire import WIRE_VERSION, WireError, decode, encode
+from engine.protocol import (
+    WIRE_VERSION,
+    GenerateRequest,
+    PrefillRequest,
+    SamplingParams,
+    Shutdown,
+    TokenMessage,
+    WireError,
+    decode,
+    encode,
+)
 from kv_transfer.messages import HelloReply, KVReady
 from kv_transfer.tp_read import RankConnect, RankForget, RankPoll, RankRead, RankStates
 
@@ -67,7 +76,7 @@ def _prefill() -> PrefillRequest:
 
 def test_every_message_type_round_trips():
     msgs = _every_message()
-    assert {type(m) for m in msgs} == set(wire._REGISTRY.values())
+    assert {type(m) for m in msgs} == set(protocol._REGISTRY.values())
     for msg in msgs:
         back = decode(encode(msg), expect=type(msg))
         assert type(back) is type(msg) and back == msg, msg
@@ -114,7 +123,7 @@ def test_an_oversized_frame_is_refused_before_unpacking(monkeypatch):
             raise AssertionError("unpacked an oversized frame")
 
     frame = encode(_prefill())
-    monkeypatch.setattr(wire, "_ENVELOPE", Untouchable())
+    monkeypatch.setattr(protocol, "_ENVELOPE", Untouchable())
     with pytest.raises(WireError, match=f"{len(frame)} bytes is over the {len(frame) - 1}"):
         decode(frame, max_bytes=len(frame) - 1)
     with pytest.raises(WireError, match="over"):
@@ -177,7 +186,7 @@ def test_python_construction_checks_and_normalizes():
 def test_trusted_construction_skips_the_field_check_but_not_check():
     """The engine builds its per-token records with `trusted` (its own values): the field
     validation is skipped, the cross-field `check()` still runs, and the flag does not leak."""
-    from engine.wire import trusted
+    from engine.protocol import trusted
 
     fast = trusted(TokenMessage, "r", 0, [1, 2], None)
     assert fast.token_ids == [1, 2]
@@ -233,7 +242,7 @@ def test_fields_left_at_their_defaults_are_not_sent_so_an_older_peer_reads_the_f
     reads frames that leave the new fields at their defaults, and refuses by name one that
     sets them."""
 
-    class OlderSampling(wire.Frame, frozen=True):
+    class OlderSampling(protocol.Frame, frozen=True):
         max_tokens: int = 16
         temperature: float = 1.0
 

@@ -3,12 +3,12 @@ agent's side channel (ROUTER), and what each receiver must do with them.
 
 A draw is a list of ZMQ parts (one message): random bytes; valid msgpack of any shape (maps
 with int keys, ext types, NaN, 2**64-1, deep nesting); real tandem frames (every message type
-of engine/protocol.py and kv_transfer/messages.py, encoded by engine.wire) with one thing
-broken: a field of the wrong type or out of range, a missing or unknown field, a bad version or
-tag, a nested SamplingParams / AgentMetadata gone wrong; oversized frames (over the 1 MiB limit,
-under ZMQ's 4x disconnect cap); several parts at once.
+of engine/protocol.py and kv_transfer/messages.py, encoded by engine/protocol.py's codec) with
+one thing broken: a field of the wrong type or out of range, a missing or unknown field, a bad
+version or tag, a nested SamplingParams / AgentMetadata gone wrong; oversized frames (over the
+1 MiB limit, under ZMQ's 4x disconnect cap); several parts at once.
 
-The oracles use the real decoder (engine.wire.decode) on each part:
+The oracles use the real decoder (engine.protocol.decode) on each part:
 - `worker_counts(part)`: the worker must count the part in tandem_worker_bad_frames_total
   (True) or take it quietly (False: an AbortRequest for an unknown id). None: the part is a
   request that would run, or a Shutdown, which the fuzz does not send.
@@ -26,14 +26,16 @@ import msgpack
 from hypothesis import strategies as st
 
 from engine.protocol import (
+    WIRE_VERSION,
     AbortRequest,
     GenerateRequest,
     PrefillRequest,
     SamplingParams,
     Shutdown,
     TokenMessage,
+    decode,
+    encode,
 )
-from engine.wire import WIRE_VERSION, decode, encode
 from kv_transfer.messages import (
     Abort,
     AgentMetadata,

@@ -25,7 +25,7 @@ from e2e.e2e_helpers import TransferCheck
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from engine.wire import decode
+from engine.protocol import decode
 
 from .conftest import LIVE_SETTINGS as FRAME_SETTINGS
 from .conftest import SERVE_FLAGS, SERVED

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kvx_helpers import LocalWorker, PeerProcess
 
-from engine.wire import encode
+from engine.protocol import encode
 from kv_transfer.events import ReadDone, ReadFailed, Released
 from kv_transfer.messages import ReadComplete
 

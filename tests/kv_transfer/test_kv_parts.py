@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from engine.wire import encode
+from engine.protocol import encode
 from kv_transfer.errors import TransferError
 from kv_transfer.events import Released, TransferStats
 from kv_transfer.messages import PROTOCOL_VERSION, Abort, Compat, ReadComplete, Renew

@@ -14,7 +14,7 @@ import pytest
 import zmq
 from kvx_helpers import LocalWorker, PeerProcess
 
-from engine.wire import decode, encode
+from engine.protocol import decode, encode
 from kv_transfer.errors import (
     HandshakeError,
     PeerNotAllowedError,

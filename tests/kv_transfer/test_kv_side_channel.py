@@ -11,8 +11,8 @@ import pytest
 import zmq
 from kvx_helpers import LocalWorker, PeerProcess
 
-from engine.wire import WIRE_VERSION, encode
-from engine.wire import decode as decode_frame
+from engine.protocol import WIRE_VERSION, encode
+from engine.protocol import decode as decode_frame
 from kv_transfer.events import ReadDone
 from kv_transfer.messages import MAX_SIDE_FRAME_BYTES, ErrorReply, Renew
 

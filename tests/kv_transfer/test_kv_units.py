@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheSpec
-from engine.protocol import SamplingParams
-from engine.wire import WireError, encode
-from engine.wire import decode as decode_frame
+from engine.protocol import SamplingParams, WireError, encode
+from engine.protocol import decode as decode_frame
 from kv_transfer.errors import TransferError, differing_fields
 from kv_transfer.events import (
     InvalidTransition,

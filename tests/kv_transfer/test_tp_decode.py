@@ -20,8 +20,7 @@ import pytest
 import torch
 import zmq
 
-from engine.protocol import PrefillRequest, SamplingParams, TokenMessage
-from engine.wire import decode, encode
+from engine.protocol import PrefillRequest, SamplingParams, TokenMessage, decode, encode
 from kv_transfer.tp_layout import HeadSlice
 from tests.kv_transfer.test_tp_handoff import (
     Decode,

@@ -23,8 +23,7 @@ import zmq
 from decode_worker.server import decode_server
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.protocol import PrefillRequest, TokenMessage
-from engine.wire import decode, encode
+from engine.protocol import PrefillRequest, TokenMessage, decode, encode
 from kv_transfer.agent import KVTransferAgent
 from kv_transfer.errors import HandshakeError
 from kv_transfer.handshake import slice_plan

@@ -1,6 +1,6 @@
 """A test-seam worker: real ZMQ sockets and real wire frames, deterministic fake generation.
 
-It PULLs on its own `tcp://127.0.0.1:<port>`, decodes frames with `engine.wire.decode`, and
+It PULLs on its own `tcp://127.0.0.1:<port>`, decodes frames with `engine.protocol.decode`, and
 PUSHes `TokenMessage`s to each request's `reply_to`. Output token i is prompt[i % len(prompt)]
 ("echo"), so the expected text is known. A prefill-role fake sends token 0 (with
 `prefill_worker_id`) and hands the rest to its `partner` decode fake, like the real split.
@@ -25,8 +25,9 @@ from engine.protocol import (
     PrefillRequest,
     TokenMessage,
     WorkerLoad,
+    decode,
+    encode,
 )
-from engine.wire import decode, encode
 from router.directory import WorkerInfo
 
 

@@ -16,8 +16,7 @@ import zmq
 
 from engine.engine_server import EngineServer
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.protocol import GenerateRequest, SamplingParams, TokenMessage
-from engine.wire import decode, encode
+from engine.protocol import GenerateRequest, SamplingParams, TokenMessage, decode, encode
 from router.directory import WorkerInfo
 from router.kv_index import KVIndex
 from router.kv_listener import KVEventListener

@@ -1,5 +1,5 @@
 """The router's KV index (router/kv_index.py) as pure state, the engine's block events that feed
-it (engine/kv_cache.py), the hash both sides share (engine/block_hash.py), and the kv-events
+it (engine/kv_cache.py), the hash both sides share (engine/kv_events.py), and the kv-events
 routing policy (router.routing.plan_route_kv) over it."""
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.block_hash import lookup_blocks, prefix_block_hashes
 from engine.kv_cache import BlockManager
-from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot
-from engine.protocol import WorkerLoad
-from engine.wire import decode, encode
+from engine.kv_events import KVEvent, KVEventBatch, KVSnapshot, lookup_blocks, prefix_block_hashes
+from engine.protocol import WorkerLoad, decode, encode
 from router.directory import WorkerInfo
 from router.kv_index import KVIndex, PromptHashes
 from router.routing import LOCAL, REMOTE, LoadView, plan_route_kv
@@ -161,7 +159,7 @@ def test_the_block_hash_is_the_same_in_every_process():
     hash() of a chain seeded with None differs between processes (3.11), this must not."""
     prompt = list(range(7, 30))
     code = (
-        "import json; from engine.block_hash import prefix_block_hashes as p; "
+        "import json; from engine.kv_events import prefix_block_hashes as p; "
         f"print(json.dumps(p({prompt}, {BS}, 5)))"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -12,8 +12,7 @@ import time
 import zmq
 
 from engine.kv_events import KVEventPublisher, KVSnapshot
-from engine.protocol import WorkerLoad
-from engine.wire import encode
+from engine.protocol import WorkerLoad, encode
 from router.directory import WorkerInfo
 from router.kv_index import KVIndex
 from router.kv_listener import KVEventListener

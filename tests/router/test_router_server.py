@@ -11,8 +11,7 @@ import pytest
 import zmq
 from router_fakes import FakeWorker, echo_tokens
 
-from engine.protocol import GenerateRequest, PrefillRequest
-from engine.wire import WIRE_VERSION
+from engine.protocol import WIRE_VERSION, GenerateRequest, PrefillRequest
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 

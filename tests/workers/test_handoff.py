@@ -15,8 +15,14 @@ import zmq
 from decode_worker.server import decode_server
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, TokenMessage
-from engine.wire import decode, encode
+from engine.protocol import (
+    AbortRequest,
+    GenerateRequest,
+    PrefillRequest,
+    TokenMessage,
+    decode,
+    encode,
+)
 from kv_transfer.agent import KVTransferAgent
 from prefill_worker.server import prefill_server
 

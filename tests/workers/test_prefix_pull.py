@@ -15,8 +15,7 @@ import zmq
 from test_handoff import SP, Pair, _prompts
 
 from engine import LLM, SamplingParams
-from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, PrefixSource
-from engine.wire import encode
+from engine.protocol import AbortRequest, GenerateRequest, PrefillRequest, PrefixSource, encode
 
 BS = 16
 
