@@ -61,7 +61,6 @@ from typing import Self
 
 from engine.kv_cache import KVCache
 from kv_transfer.errors import HandshakeError
-from kv_transfer.events import TransferEvent, TransferState, TransferStats
 from kv_transfer.faults import FaultPlan
 from kv_transfer.messages import (
     MAX_SIDE_FRAME_BYTES,
@@ -71,6 +70,9 @@ from kv_transfer.messages import (
     Hello,
     HelloReply,
     PeerPolicy,
+    TransferEvent,
+    TransferState,
+    TransferStats,
 )
 from kv_transfer.nixl import NixlEndpoint, default_max_read_bytes
 from kv_transfer.read_state import ReceiverConfig

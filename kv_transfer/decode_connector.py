@@ -56,8 +56,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 from engine.protocol import GenerateRequest, TokenMessage
 from engine.roles import DECODE
 from kv_transfer.errors import HandshakeError, PeerNotAllowedError, TransferError
-from kv_transfer.events import ReadDone, ReadFailed, TransferEvent, TransferStats
-from kv_transfer.messages import AgentMetadata, KVReady, PrefixOffer, PrefixPull
+from kv_transfer.messages import (
+    AgentMetadata,
+    KVReady,
+    PrefixOffer,
+    PrefixPull,
+    ReadDone,
+    ReadFailed,
+    TransferEvent,
+    TransferStats,
+)
 from kv_transfer.prefix_pull import PrefixLender, PrefixPuller
 
 if TYPE_CHECKING:

@@ -35,8 +35,15 @@ from engine.kv_connector import Handoff
 from engine.protocol import PrefillRequest
 from engine.roles import PREFILL
 from kv_transfer.errors import TransferError
-from kv_transfer.events import Released, TransferEvent, TransferStats
-from kv_transfer.messages import AgentMetadata, KVReady, PrefixOffer, PrefixPull
+from kv_transfer.messages import (
+    AgentMetadata,
+    KVReady,
+    PrefixOffer,
+    PrefixPull,
+    Released,
+    TransferEvent,
+    TransferStats,
+)
 from kv_transfer.prefix_pull import PrefixLender, PrefixPuller
 
 if TYPE_CHECKING:

@@ -57,8 +57,14 @@ from typing import TYPE_CHECKING, Any
 
 from engine.protocol import GenerateRequest, PrefillRequest
 from kv_transfer.errors import HandshakeError, TransferError
-from kv_transfer.events import ReadDone, ReadFailed, Released, TransferEvent
-from kv_transfer.messages import PrefixOffer, PrefixPull
+from kv_transfer.messages import (
+    PrefixOffer,
+    PrefixPull,
+    ReadDone,
+    ReadFailed,
+    Released,
+    TransferEvent,
+)
 
 if TYPE_CHECKING:
     from engine.engine_server import ConnectorHost

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from kv_transfer.events import TransferStatus
+from kv_transfer.messages import TransferStatus
 from kv_transfer.nixl import BlockRegion
 from kv_transfer.tp_layout import HeadSlice, SlicePlan
 

@@ -62,13 +62,6 @@ import zmq
 
 from engine.protocol import encode
 from kv_transfer.errors import HandshakeError, TransferError, quietly
-from kv_transfer.events import (
-    ReadDone,
-    ReadFailed,
-    TransferEvent,
-    TransferState,
-    TransferStats,
-)
 from kv_transfer.faults import FaultPlan, ReadFaults
 from kv_transfer.handshake import exchange_hello, open_peer
 from kv_transfer.messages import (
@@ -80,8 +73,13 @@ from kv_transfer.messages import (
     Hello,
     PeerPolicy,
     ReadComplete,
+    ReadDone,
+    ReadFailed,
     Renew,
     RenewReply,
+    TransferEvent,
+    TransferState,
+    TransferStats,
 )
 from kv_transfer.nixl import NixlEndpoint, check_block_ids, chunk
 from kv_transfer.read_state import PeerOut, Read, ReceiverConfig

@@ -52,8 +52,16 @@ from typing import Any
 
 from engine.protocol import WireError, decode
 from kv_transfer.errors import PeerNotAllowedError, TransferError
-from kv_transfer.events import Released, TransferStats
-from kv_transfer.messages import MAX_NOTIF_BYTES, Abort, PeerPolicy, ReadComplete, Renew, RenewReply
+from kv_transfer.messages import (
+    MAX_NOTIF_BYTES,
+    Abort,
+    PeerPolicy,
+    ReadComplete,
+    Released,
+    Renew,
+    RenewReply,
+    TransferStats,
+)
 from kv_transfer.nixl import check_block_ids
 
 log = logging.getLogger(__name__)

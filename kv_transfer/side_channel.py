@@ -44,9 +44,17 @@ import zmq
 
 from engine.protocol import WireError, decode, encode
 from kv_transfer.errors import quietly
-from kv_transfer.events import TransferStats
 from kv_transfer.faults import FaultPlan
-from kv_transfer.messages import Abort, Compat, ErrorReply, Hello, HelloReply, Renew, RenewReply
+from kv_transfer.messages import (
+    Abort,
+    Compat,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Renew,
+    RenewReply,
+    TransferStats,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -43,7 +43,7 @@ import torch
 from benchmarks.gpu.nixl_peer import blocks_sha256, make_spec
 from engine.kv_cache import KVCache
 from kv_transfer.agent import KVTransferAgent
-from kv_transfer.events import ReadDone
+from kv_transfer.messages import ReadDone
 
 REPO = Path(__file__).resolve().parents[2]
 GOAL = 0.70

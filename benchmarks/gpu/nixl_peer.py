@@ -25,7 +25,7 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.agent import KVTransferAgent
-from kv_transfer.events import Released
+from kv_transfer.messages import Released
 
 HASH_CHUNK_BLOCKS = 64  # blocks copied to the host per step while hashing (bounds the copy)
 

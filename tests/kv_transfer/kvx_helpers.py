@@ -16,7 +16,7 @@ import torch
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.agent import KVTransferAgent
-from kv_transfer.events import ReadDone, ReadFailed, Released
+from kv_transfer.messages import ReadDone, ReadFailed, Released
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER_SCRIPT = Path(__file__).with_name("peer_proc.py")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from engine.kv_cache import KVCache, KVCacheSpec
 from kv_transfer.agent import KVTransferAgent
-from kv_transfer.events import ReadDone, ReadFailed, Released
+from kv_transfer.messages import ReadDone, ReadFailed, Released
 
 
 def make_spec(cfg: dict) -> KVCacheSpec:

@@ -24,8 +24,14 @@ from engine.roles import COLOCATED, DECODE, PREFILL
 from kv_transfer import decode_connector
 from kv_transfer.decode_connector import DecodeConnector, DecodeStage
 from kv_transfer.errors import HandshakeError, StalePeerError, TransferError
-from kv_transfer.events import ReadDone, ReadFailed, Released, TransferStats
-from kv_transfer.messages import AgentMetadata, KVReady
+from kv_transfer.messages import (
+    AgentMetadata,
+    KVReady,
+    ReadDone,
+    ReadFailed,
+    Released,
+    TransferStats,
+)
 from kv_transfer.prefill_connector import PrefillConnector, PrefillStage
 
 SP = SamplingParams(max_tokens=4)

@@ -15,8 +15,7 @@ import torch
 from kvx_helpers import LocalWorker, PeerProcess
 
 from engine.protocol import encode
-from kv_transfer.events import ReadDone, ReadFailed, Released
-from kv_transfer.messages import ReadComplete
+from kv_transfer.messages import ReadComplete, ReadDone, ReadFailed, Released
 
 CHUNKED = {"max_read_bytes": 4 * 16384}  # 4 blocks per READ: a 64-block request takes 16
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from kvx_helpers import LocalWorker, PeerProcess
 
-from kv_transfer.events import ReadDone, ReadFailed
 from kv_transfer.faults import INJECTED, FaultPlan
+from kv_transfer.messages import ReadDone, ReadFailed
 
 
 def test_plan_validates_and_travels_as_a_dict():

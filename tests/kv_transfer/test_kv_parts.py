@@ -9,8 +9,15 @@ import pytest
 
 from engine.protocol import encode
 from kv_transfer.errors import TransferError
-from kv_transfer.events import Released, TransferStats
-from kv_transfer.messages import PROTOCOL_VERSION, Abort, Compat, ReadComplete, Renew
+from kv_transfer.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Compat,
+    ReadComplete,
+    Released,
+    Renew,
+    TransferStats,
+)
 from kv_transfer.sender import LeaseTable
 
 

@@ -22,7 +22,6 @@ from kv_transfer.errors import (
     TransferError,
     UnknownPeerError,
 )
-from kv_transfer.events import ReadDone, ReadFailed, Released
 from kv_transfer.messages import (
     MAX_SIDE_FRAME_BYTES,
     PROTOCOL_VERSION,
@@ -31,6 +30,9 @@ from kv_transfer.messages import (
     Hello,
     HelloReply,
     PeerPolicy,
+    ReadDone,
+    ReadFailed,
+    Released,
     Renew,
 )
 from kv_transfer.sender import LeaseTable

@@ -13,8 +13,7 @@ from kvx_helpers import LocalWorker, PeerProcess
 
 from engine.protocol import WIRE_VERSION, encode
 from engine.protocol import decode as decode_frame
-from kv_transfer.events import ReadDone
-from kv_transfer.messages import MAX_SIDE_FRAME_BYTES, ErrorReply, Renew
+from kv_transfer.messages import MAX_SIDE_FRAME_BYTES, ErrorReply, ReadDone, Renew
 
 
 @pytest.fixture(scope="module")

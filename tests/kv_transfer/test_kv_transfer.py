@@ -13,7 +13,7 @@ from kvx_helpers import LocalWorker, PeerProcess, spec
 
 from engine.kv_cache import KVCache
 from kv_transfer.errors import HandshakeError, TransferError
-from kv_transfer.events import ReadDone
+from kv_transfer.messages import ReadDone
 
 NUM_BLOCKS = 2100  # room for 1000 non-contiguous blocks on each side
 

@@ -13,21 +13,19 @@ from engine.kv_cache import KVCacheSpec
 from engine.protocol import SamplingParams, WireError, encode
 from engine.protocol import decode as decode_frame
 from kv_transfer.errors import TransferError, differing_fields
-from kv_transfer.events import (
-    InvalidTransition,
-    Released,
-    TransferState,
-    TransferStats,
-    TransferStatus,
-)
 from kv_transfer.messages import (
     MAX_KVREADY_BYTES,
     PROTOCOL_VERSION,
     AgentMetadata,
     HelloReply,
+    InvalidTransition,
     KVReady,
     PrefixPull,
+    Released,
     RenewReply,
+    TransferState,
+    TransferStats,
+    TransferStatus,
 )
 from kv_transfer.nixl import (
     CUDA_IPC_GET_ENV,
