@@ -120,6 +120,10 @@ class LengthDist:
         # A uniform spread of half-width w around m adds w^2/3 to m^2.
         return sum(p * (m * m + w * w / 3.0) for p, m, w in self.parts)
 
+    def third_moment(self) -> float:
+        # A uniform spread of half-width w around m adds m*w^2 to m^3.
+        return sum(p * (m**3 + m * w * w) for p, m, w in self.parts)
+
     def quantile(self, q: float) -> float:
         seen = 0.0
         for p, m, w in self.parts:

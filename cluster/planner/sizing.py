@@ -65,6 +65,9 @@ class Targets:
     ttft_per_1k_s: float = 0.0
     # A backlog drains within this or the TTFT target, the longer (README "The model")
     backlog_drain_s: float = 0.0
+    # SDs of the KV a decode batch holds that the cache keeps room for (`kv_batch`); 0 sizes
+    # at the mean, which the windows' evidence then corrects (the warm start keeps some).
+    kv_sigmas: float = 0.0
 
     @property
     def ttft_goal(self) -> float:
@@ -134,6 +137,8 @@ class DecodeLoad:
     rate: float
     tokens_per_s: float  # output tokens/s
     context: float  # time-weighted context tokens per running sequence
+    context_sq: float  # its time-weighted second moment
+    kv_sigmas: float  # Targets.kv_sigmas
     local_rate: float  # requests/s prefilled on decode workers
     local_work: float  # seconds of decode-worker time per second those prefills take
     local_service_s: float  # E[S] of one local prefill
@@ -376,7 +381,14 @@ def decode_load(
     """The decode pool's work: every output token, plus the prefills of `local` prompts (a
     `local_share` of the requests) done on decode workers."""
     eo = max(wl.outputs.mean(), 1.0)
-    context = wl.prompts.mean() + wl.outputs.second_moment() / (2 * eo)
+    # A running sequence holds its prompt and an age uniform over its answer, answers weighted
+    # by how long they run: E[age] = E[o^2] / 2E[o], E[age^2] = E[o^3] / 3E[o].
+    age = wl.outputs.second_moment() / (2 * eo)
+    context = wl.prompts.mean() + age
+    mean_p = wl.prompts.mean()
+    context_sq = (
+        wl.prompts.second_moment() + 2 * mean_p * age + wl.outputs.third_moment() / (3 * eo)
+    )
     local_rate = wl.rate * local_share if local is not None else 0.0
     es = scv = p90_s = 0.0
     if local is not None:
@@ -391,6 +403,8 @@ def decode_load(
         rate=wl.rate,
         tokens_per_s=wl.rate * eo,
         context=context,
+        context_sq=context_sq,
+        kv_sigmas=targets.kv_sigmas,
         local_rate=local_rate,
         local_work=local_rate * es,
         local_service_s=es,
@@ -447,8 +461,19 @@ def decode_batch(profile: CapacityProfile, load: DecodeLoad, share_busy: float) 
     room = load.step_goal_s * (1 - share_busy) / load.decode_corr
     per_seq = profile.decode_per_seq_s + profile.decode_per_ctx_token_s * load.context
     by_time = (room - profile.decode_fixed_s) / per_seq if per_seq > 0 else profile.max_num_seqs
-    by_kv = profile.kv_capacity_tokens / max(load.context, 1.0)
+    by_kv = kv_batch(profile.kv_capacity_tokens, load.context, load.context_sq, load.kv_sigmas)
     return max(0, int(min(math.floor(by_time), math.floor(by_kv), profile.max_num_seqs)))
+
+
+def kv_batch(capacity: float, context: float, context_sq: float, sigmas: float) -> float:
+    """The largest mean batch b whose KV stays in the cache `sigmas` SDs above its mean: the
+    sequences come and go as a Poisson count of varying contexts, so the KV they hold has
+    mean b*c and variance b*E[c^2]; b*c + z*sqrt(b*E[c^2]) <= capacity, solved for sqrt(b)."""
+    c = max(context, 1.0)
+    if sigmas <= 0:
+        return capacity / c
+    zm = sigmas * math.sqrt(max(context_sq, c * c))
+    return ((math.sqrt(zm * zm + 4 * c * capacity) - zm) / (2 * c)) ** 2
 
 
 def decode_tpot_p50(

@@ -185,6 +185,19 @@ def test_every_adaptive_policy_shares_the_warm_start_and_keeps_it_a_cooldown():
     assert sizes[0] == (warm[P], warm[D]) and sizes[5] == (warm[P], warm[D])
 
 
+def test_the_warm_start_keeps_room_in_the_decode_kv(monkeypatch):
+    # An expected load that fills four decode workers' KV to ~97% at its mean: no window has
+    # checked it yet, so the warm start asks for a fifth (2 SDs of the KV in flight).
+    kv_bound = round_profile(kv_capacity_tokens=50_000)
+    cfg = config(expected_rate_rps=80, expected_prompt_tokens=1000, expected_output_tokens=100)
+    warm, roomy_kv = warm_start(kv_bound, cfg), warm_start(PROFILE, cfg)
+    monkeypatch.setattr(policy, "WARM_KV_SIGMAS", 0.0)
+    at_mean = warm_start(kv_bound, cfg)
+    assert (at_mean[D], warm[D]) == (4, 5) and warm[P] == at_mean[P]
+    # Far from the KV limit (20x the cache) the room costs nothing.
+    assert roomy_kv == warm_start(PROFILE, cfg)
+
+
 def test_the_exponential_prior_has_its_mean_and_a_long_tail():
     dist = LengthDist.exponential(200)
     assert math.isclose(dist.mean(), 200, rel_tol=0.05)

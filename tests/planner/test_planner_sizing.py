@@ -4,6 +4,7 @@ prefill 20k tokens/s linear, decode step = 10 ms + 0.1 ms/seq + 0.1 us/context t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from planner_fakes import round_profile
@@ -15,6 +16,7 @@ from cluster.planner.sizing import (
     Targets,
     decode_load,
     erlang_c,
+    kv_batch,
     mix_service,
     prefill_load,
     prefill_ttft_p90,
@@ -158,6 +160,41 @@ def test_kv_capacity_limits_the_batch():
     plan = size_decode(small_kv, dl, TARGETS, 1, 16)
     assert plan.batch == 47  # 50000 / 1050 tokens per sequence
     assert plan.workers == math.ceil(8000 / (47 / (0.01 + 47 * 2.05e-4))) == 4
+
+
+def test_kv_room_for_the_fluctuation_of_what_a_batch_holds():
+    # Sequences of 1,050 tokens each (single lengths: E[c^2] = c^2); with z SDs kept free,
+    # the batch b solves b*c + z*sqrt(b)*c = capacity.
+    assert kv_batch(50_000, 1050, 1050**2, 0.0) == pytest.approx(50_000 / 1050)
+    b = kv_batch(50_000, 1050, 1050**2, 2.0)
+    assert b * 1050 + 2 * math.sqrt(b) * 1050 == pytest.approx(50_000)
+    assert 33 < b < 50_000 / 1050
+    # Varying contexts (a larger second moment at the same mean) need more room.
+    assert kv_batch(50_000, 1050, 3 * 1050**2, 2.0) < b
+    # The planner's own Targets keep none: the warm start's do (policy.WARM_KV_SIGMAS).
+    small_kv = round_profile(kv_capacity_tokens=50_000)
+    wl = load(90.0)  # 9k tokens/s: 4 workers at the mean batch (47), 5 with room (35)
+    roomy = replace(TARGETS, kv_sigmas=2.0)
+    assert (
+        TARGETS.kv_sigmas == 0
+        and decode_load(small_kv, wl, TARGETS, Corrections(), None, 0).kv_sigmas == 0
+    )
+    kept = size_decode(
+        small_kv, decode_load(small_kv, wl, roomy, Corrections(), None, 0), roomy, 1, 16
+    )
+    at_mean = size_decode(
+        small_kv, decode_load(small_kv, wl, TARGETS, Corrections(), None, 0), TARGETS, 1, 16
+    )
+    assert (at_mean.batch, at_mean.workers) == (47, 4)
+    assert (kept.batch, kept.workers) == (math.floor(b), 5)
+
+
+def test_the_context_second_moment_counts_prompts_and_ages():
+    mixed = Workload(10.0, LengthDist(((0.5, 500, 0), (0.5, 1500, 0))), LengthDist.single(100))
+    dl = decode_load(PROFILE, mixed, TARGETS, Corrections(), None, 0.0)
+    # E[p^2] = 1.25e6, E[age] = 50, E[age^2] = 100^2 / 3: prompt and age independent.
+    assert dl.context == pytest.approx(1000 + 50)
+    assert dl.context_sq == pytest.approx(1.25e6 + 2 * 1000 * 50 + 100**2 / 3)
 
 
 def test_sequences_in_flight_need_slots():
