@@ -33,7 +33,7 @@ if str(REPO) not in sys.path:  # allow `python benchmarks/kv_reuse.py` from anyw
 from benchmarks.conversations import add_conversation_flags, load_conversations  # noqa: E402
 from decode_worker.server import decode_server  # noqa: E402
 from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.protocol import PrefillRequest, SamplingParams, TokenMessage, decode, encode  # noqa: E402  # noqa: E402
+from engine.protocol import PrefillRequest, SamplingParams, TokenMessage, decode, encode  # noqa: E402
 from kv_transfer.agent import KVTransferAgent  # noqa: E402
 from prefill_worker.server import prefill_server  # noqa: E402
 

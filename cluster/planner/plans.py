@@ -17,7 +17,10 @@ from .sizing import (
     DecodePlan,
     PrefillPlan,
     Targets,
+    burst_decode_rate,
+    burst_prefill_workers,
     decode_load,
+    mix_service,
     prefill_load,
     size_decode,
     size_prefill,
@@ -66,6 +69,39 @@ def plan_disaggregated(
     dload = decode_load(profile, wl, targets, corr, local, 1.0 - share)
     decode = size_decode(profile, dload, targets, bounds.min_decode, bounds.max_decode)
     return PoolPlan(prefill, decode, local_only=False)
+
+
+def burst_prefill_hold(
+    profile: CapacityProfile,
+    peak_tokens_1s: float,
+    wl: Workload,
+    targets: Targets,
+    corr: Corrections,
+    bounds: Bounds,
+) -> int:
+    """Prefill workers a 1-s burst of `peak_tokens_1s` uncached prompt tokens needs
+    (`sizing.burst_prefill_workers` at one worker's rate on the mix), within the bounds."""
+    mu = mix_service(profile, wl.prompts, wl.uncached, corr.prefill)[0]
+    n = burst_prefill_workers(profile, peak_tokens_1s, targets, corr.prefill, mu)
+    return min(n, bounds.max_prefill)
+
+
+def burst_decode_hold(
+    profile: CapacityProfile,
+    peak_tokens_1s: float,
+    wl: Workload,
+    targets: Targets,
+    corr: Corrections,
+    bounds: Bounds,
+) -> int:
+    """Decode workers that burst's sequences need at once (`sizing.burst_decode_rate`), on
+    `wl`'s mix without its queues (those are the rate plans' to size)."""
+    rate = burst_decode_rate(profile, peak_tokens_1s, wl, targets, corr.prefill)
+    if rate <= 0:
+        return 0
+    burst = Workload(rate, wl.prompts, wl.outputs, uncached=wl.uncached)
+    plan = plan_disaggregated(profile, burst, targets, corr, bounds)
+    return min(plan.decode.workers, bounds.max_decode)
 
 
 def plan_local(

@@ -44,17 +44,21 @@ from .correction import (
     solve_prefill,
 )
 from .demand import DemandTracker, LengthDist, Workload, queue_share
-from .plans import Bounds, PoolPlan, fit_budget, plan_disaggregated, plan_pools
+from .plans import (
+    Bounds,
+    PoolPlan,
+    burst_decode_hold,
+    burst_prefill_hold,
+    fit_budget,
+    plan_pools,
+)
 from .reasons import explain, tokens
 from .sizing import (
     Corrections,
     Targets,
-    burst_decode_rate,
-    burst_prefill_workers,
     decode_load,
     decode_tpot_p50,
     local_ttft_p90,
-    mix_service,
     prefill_load,
     prefill_ttft_p90,
 )
@@ -128,16 +132,12 @@ def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int
         bounds = Bounds(c.min_prefill, c.max_prefill, c.min_decode, c.max_decode)
         plan = plan_pools(profile, wl, targets, Corrections(), bounds)
         sizes = {PREFILL_POOL: plan.prefill.workers, DECODE_POOL: plan.decode.workers}
-        if c.expected_peak_prompt_tokens_1s and c.burst_half_life_s > 0 and not plan.local_only:
-            mu = mix_service(profile, wl.prompts)[0]
-            held = burst_prefill_workers(
-                profile, c.expected_peak_prompt_tokens_1s, targets, 1.0, mu
-            )
-            sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], min(held, c.max_prefill))
-            rate = burst_decode_rate(profile, c.expected_peak_prompt_tokens_1s, wl, targets)
-            burst_wl = replace(wl, rate=rate)
-            burst = plan_disaggregated(profile, burst_wl, targets, Corrections(), bounds)
-            sizes[DECODE_POOL] = max(sizes[DECODE_POOL], burst.decode.workers)
+        peak = c.expected_peak_prompt_tokens_1s
+        if peak and c.burst_half_life_s > 0 and not plan.local_only:
+            held = burst_prefill_hold(profile, peak, wl, targets, Corrections(), bounds)
+            sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], held)
+            held = burst_decode_hold(profile, peak, wl, targets, Corrections(), bounds)
+            sizes[DECODE_POOL] = max(sizes[DECODE_POOL], held)
     floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
     gpus = c.pool_gpus(profile.gpus_per_worker)
     return fit_budget(sizes, sizes, c.budget_gpus(gpus), {}, floors, gpus)
@@ -299,23 +299,15 @@ class Planner:
         return plan_pools(self.profile, wl, targets, corr, self.bounds, prefer_local)
 
     def _burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
-        """Prefill workers the held 1-s burst peak (times `scale`) needs (within max_prefill)."""
+        """Prefill workers the held 1-s burst peak (times `scale`) needs."""
         peak = self.demand.held_peak_tokens_1s * scale
-        mu = mix_service(self.profile, wl.prompts, wl.uncached, corr.prefill)[0]
-        n = burst_prefill_workers(self.profile, peak, self.targets, corr.prefill, mu)
-        return min(n, self.bounds.max_prefill)
+        return burst_prefill_hold(self.profile, peak, wl, self.targets, corr, self.bounds)
 
     def _decode_burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
         """Decode workers the sequences of the held 1-s burst peak (times `scale`) need at
-        once (`sizing.burst_decode_rate`), on the current mix without the last window's
-        queues (those are the rate plans' to size)."""
+        once, on the current mix without the last window's queues."""
         peak = self.demand.held_peak_tokens_1s * scale
-        rate = burst_decode_rate(self.profile, peak, wl, self.targets, corr.prefill)
-        if rate <= 0:
-            return 0
-        burst = Workload(rate, wl.prompts, wl.outputs, uncached=wl.uncached)
-        plan = plan_disaggregated(self.profile, burst, self.targets, corr, self.bounds)
-        return min(plan.decode.workers, self.bounds.max_decode)
+        return burst_decode_hold(self.profile, peak, wl, self.targets, corr, self.bounds)
 
     def _residual_backlog(
         self, now: float, wl: Workload, pools: PoolCounts, corr: Corrections

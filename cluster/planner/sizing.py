@@ -384,8 +384,8 @@ def decode_load(
     # A running sequence holds its prompt and an age uniform over its answer, answers weighted
     # by how long they run: E[age] = E[o^2] / 2E[o], E[age^2] = E[o^3] / 3E[o].
     age = wl.outputs.second_moment() / (2 * eo)
-    context = wl.prompts.mean() + age
     mean_p = wl.prompts.mean()
+    context = mean_p + age
     context_sq = (
         wl.prompts.second_moment() + 2 * mean_p * age + wl.outputs.third_moment() / (3 * eo)
     )
