@@ -71,37 +71,26 @@ def plan_disaggregated(
     return PoolPlan(prefill, decode, local_only=False)
 
 
-def burst_prefill_hold(
+def burst_holds(
     profile: CapacityProfile,
     peak_tokens_1s: float,
     wl: Workload,
     targets: Targets,
     corr: Corrections,
     bounds: Bounds,
-) -> int:
-    """Prefill workers a 1-s burst of `peak_tokens_1s` uncached prompt tokens needs
-    (`sizing.burst_prefill_workers` at one worker's rate on the mix), within the bounds."""
+) -> tuple[int, int]:
+    """(prefill, decode) workers a 1-s burst of `peak_tokens_1s` uncached prompt tokens needs,
+    within the bounds: prefill to clear it (`sizing.burst_prefill_workers` at one worker's
+    rate on the mix), decode for its sequences at once (`sizing.burst_decode_rate`, on `wl`'s
+    mix without its queues: those are the rate plans' to size)."""
     mu = mix_service(profile, wl.prompts, wl.uncached, corr.prefill)[0]
-    n = burst_prefill_workers(profile, peak_tokens_1s, targets, corr.prefill, mu)
-    return min(n, bounds.max_prefill)
-
-
-def burst_decode_hold(
-    profile: CapacityProfile,
-    peak_tokens_1s: float,
-    wl: Workload,
-    targets: Targets,
-    corr: Corrections,
-    bounds: Bounds,
-) -> int:
-    """Decode workers that burst's sequences need at once (`sizing.burst_decode_rate`), on
-    `wl`'s mix without its queues (those are the rate plans' to size)."""
+    prefill = burst_prefill_workers(profile, peak_tokens_1s, targets, corr.prefill, mu)
     rate = burst_decode_rate(profile, peak_tokens_1s, wl, targets, corr.prefill)
-    if rate <= 0:
-        return 0
-    burst = Workload(rate, wl.prompts, wl.outputs, uncached=wl.uncached)
-    plan = plan_disaggregated(profile, burst, targets, corr, bounds)
-    return min(plan.decode.workers, bounds.max_decode)
+    decode = 0
+    if rate > 0:
+        burst = Workload(rate, wl.prompts, wl.outputs, uncached=wl.uncached)
+        decode = plan_disaggregated(profile, burst, targets, corr, bounds).decode.workers
+    return min(prefill, bounds.max_prefill), min(decode, bounds.max_decode)
 
 
 def plan_local(

@@ -47,8 +47,7 @@ from .demand import DemandTracker, LengthDist, Workload, queue_share
 from .plans import (
     Bounds,
     PoolPlan,
-    burst_decode_hold,
-    burst_prefill_hold,
+    burst_holds,
     fit_budget,
     plan_pools,
 )
@@ -134,10 +133,9 @@ def warm_start(profile: CapacityProfile, config: PlannerConfig) -> dict[str, int
         sizes = {PREFILL_POOL: plan.prefill.workers, DECODE_POOL: plan.decode.workers}
         peak = c.expected_peak_prompt_tokens_1s
         if peak and c.burst_half_life_s > 0 and not plan.local_only:
-            held = burst_prefill_hold(profile, peak, wl, targets, Corrections(), bounds)
-            sizes[PREFILL_POOL] = max(sizes[PREFILL_POOL], held)
-            held = burst_decode_hold(profile, peak, wl, targets, Corrections(), bounds)
-            sizes[DECODE_POOL] = max(sizes[DECODE_POOL], held)
+            held = burst_holds(profile, peak, wl, targets, Corrections(), bounds)
+            for pool, n in zip((PREFILL_POOL, DECODE_POOL), held, strict=True):
+                sizes[pool] = max(sizes[pool], n)
     floors = {PREFILL_POOL: c.min_prefill, DECODE_POOL: c.min_decode}
     gpus = c.pool_gpus(profile.gpus_per_worker)
     return fit_budget(sizes, sizes, c.budget_gpus(gpus), {}, floors, gpus)
@@ -200,11 +198,10 @@ class Planner:
         held = {PREFILL_POOL: 0, DECODE_POOL: 0}
         held_down = dict(held)
         if not up.local_only:
-            held[PREFILL_POOL] = self._burst_hold(corr, queued_wl)
             margin = 1 + self.config.down_margin
-            held_down[PREFILL_POOL] = self._burst_hold(corr, queued_wl, margin)
-            held[DECODE_POOL] = self._decode_burst_hold(corr, queued_wl)
-            held_down[DECODE_POOL] = self._decode_burst_hold(corr, queued_wl, margin)
+            held[PREFILL_POOL], held[DECODE_POOL] = self._burst_holds(corr, queued_wl)
+            both = self._burst_holds(corr, queued_wl, margin)
+            held_down[PREFILL_POOL], held_down[DECODE_POOL] = both
         desired, causes, reasons = {}, {}, {}
         for pool in POOLS:
             need_up = max(_workers(plans[pool], pool), held[pool])
@@ -298,16 +295,10 @@ class Planner:
         targets = targets or self.targets
         return plan_pools(self.profile, wl, targets, corr, self.bounds, prefer_local)
 
-    def _burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
-        """Prefill workers the held 1-s burst peak (times `scale`) needs."""
+    def _burst_holds(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> tuple[int, int]:
+        """(prefill, decode) workers the held 1-s burst peak (times `scale`) needs."""
         peak = self.demand.held_peak_tokens_1s * scale
-        return burst_prefill_hold(self.profile, peak, wl, self.targets, corr, self.bounds)
-
-    def _decode_burst_hold(self, corr: Corrections, wl: Workload, scale: float = 1.0) -> int:
-        """Decode workers the sequences of the held 1-s burst peak (times `scale`) need at
-        once, on the current mix without the last window's queues."""
-        peak = self.demand.held_peak_tokens_1s * scale
-        return burst_decode_hold(self.profile, peak, wl, self.targets, corr, self.bounds)
+        return burst_holds(self.profile, peak, wl, self.targets, corr, self.bounds)
 
     def _residual_backlog(
         self, now: float, wl: Workload, pools: PoolCounts, corr: Corrections
