@@ -474,7 +474,10 @@ class ReadDone:
     request_id: str
     local_block_ids: tuple[int, ...]
     num_bytes: int
-    seconds: float
+    seconds: float  # from the start to the last byte landed
+    # From the start to the sender's lease confirmation: the blocks are usable only after
+    # both, so a confirmation later than `seconds` is the side channel's share of the wait.
+    confirmed_s: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)

@@ -53,6 +53,7 @@ class Read:
     next_chunk: int = 0
     handle: Any = None  # NIXL xfer handle of the chunk in flight
     acked: bool = False  # the sender confirmed the blocks were held (pinned) for us
+    acked_at: float | None = None  # monotonic; when that confirmation arrived
     landed_at: float | None = None
     tell_sender: bool = False  # on failure, send Abort so the sender frees at once
     aborted: bool = False

@@ -373,7 +373,9 @@ class Receiver:
             self._stats.transfers += 1
             self._stats.bytes_read += read.num_bytes
             self._stats.seconds += seconds
-            self._events.append(ReadDone(read.request_id, read.local_ids, read.num_bytes, seconds))
+            confirmed = (read.acked_at or read.started_at) - read.started_at
+            done = ReadDone(read.request_id, read.local_ids, read.num_bytes, seconds, confirmed)
+            self._events.append(done)
             del self._reads[read.request_id]
             return True
 
@@ -479,6 +481,8 @@ class Receiver:
             read = self._reads.get(rid)
             if read is None or read.peer != peer.name or read.status.state.terminal:
                 continue
+            if read.acked_at is None and status in ("ok", "done"):
+                read.acked_at = time.monotonic()
             if status == "ok":
                 read.acked = True
                 if sent is not None:  # measured from our send: never later than the sender's

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import importlib.metadata
 import json
 import os
 import platform
+import pstats
 import queue
 import statistics
 import subprocess
@@ -135,8 +137,9 @@ class Bench:
         self.agent.connect(sender_md)
         return time.perf_counter() - t
 
-    def read_once(self, ids: list[int]) -> tuple[float, float]:
-        """(wall seconds start_read -> ReadDone -> synced, the agent's own ReadDone.seconds)."""
+    def read_once(self, ids: list[int]) -> tuple[float, dict]:
+        """(wall seconds start_read -> ReadDone -> synced, where that wall went: the agent's
+        landing and lease-confirmation times, and when our poll saw ReadDone)."""
         self._n += 1
         rid = f"bw-{self._n}"
         deadline = self.peer.call(op="hold", rid=rid, blocks=ids, peer=self.agent.name)["deadline"]
@@ -144,13 +147,15 @@ class Bench:
         t = time.perf_counter()
         self.agent.start_read(rid, self.sender, ids, ids, deadline)
         ev = self._wait(rid, timeout=30.0)
+        seen = time.perf_counter() - t
         sync(self.device)  # the READ's copy is on UCX's stream: make sure it is visible here
         wall = time.perf_counter() - t
         if not isinstance(ev, ReadDone):
             raise RuntimeError(f"READ of {len(ids)} blocks failed: {ev}")
         # Untimed: the sender frees the blocks (NIXL notification) before they are held again.
         self.peer.call(op="wait_released", rid=rid, timeout=30.0)
-        return wall, ev.seconds
+        parts = {"landed": ev.seconds, "confirmed": ev.confirmed_s, "seen": seen}
+        return wall, parts
 
     def _wait(self, rid: str, timeout: float):
         end = time.monotonic() + timeout
@@ -179,12 +184,13 @@ def measure(bench: Bench, n: int, repeats: int) -> dict:
     first, _ = bench.read_once(ids)
     bench.copy_once(n)
     bench.cache.data[:n].zero_()  # so the check below proves the timed reads moved the bytes
-    walls, agent_s, copies = [], [], []
+    walls, parts, copies = [], [], []
     for _ in range(repeats):
         wall, inner = bench.read_once(ids)
         walls.append(wall)
-        agent_s.append(inner)
+        parts.append(inner)
         copies.append(bench.copy_once(n))
+    agent_s = [p["landed"] for p in parts]
     bench.peer.send(op="hash", blocks=ids)  # the sender hashes its blocks while we hash ours
     ours = blocks_sha256(bench.cache, ids)
     theirs = bench.peer.answer(timeout=120.0)["sha256"]
@@ -198,7 +204,25 @@ def measure(bench: Bench, n: int, repeats: int) -> dict:
         "ratio": (nbytes / best) / (nbytes / cbest), "byte_exact": ours == theirs,
         "chunks": -(-n // bench.blocks_per_chunk), "samples_seconds": walls,
         "copy_samples_seconds": copies,
+        # Per sample: READ landed, lease confirmed, ReadDone seen by our poll (all from
+        # start_read); the wall adds the final device sync.
+        "wall_parts": parts,
     }  # fmt: skip
+
+
+def profile_read(bench: Bench, n: int) -> dict:
+    """One more read of `n` blocks under cProfile: where this thread's time goes between
+    start_read and ReadDone (the status checks, the handle release, the lease's lock)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    wall, parts = bench.read_once(list(range(n)))
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+    return {"blocks": n, "wall": wall, "parts": parts,
+            "by_own_time": [{"function": f"{Path(f).name}:{line}({name})", "calls": nc,
+                             "own_s": round(tt, 6), "cumulative_s": round(ct, 6)}
+                            for (f, line, name), (_, nc, tt, ct, _) in rows]}  # fmt: skip
 
 
 def machine(device: torch.device) -> dict:
@@ -224,6 +248,7 @@ def run(device: torch.device, quick: bool, max_read_bytes: int | None) -> dict:
         sender_md = peer.answer(timeout=120.0)["metadata"]
         connect_s = bench.connect(sender_md)
         reads = [measure(bench, n, repeats) for n in sizes]
+        poll_profile = profile_read(bench, sizes[-1])
     finally:
         if bench is not None:
             bench.agent.close()
@@ -239,7 +264,8 @@ def run(device: torch.device, quick: bool, max_read_bytes: int | None) -> dict:
         "setup": {"receiver_agent_seconds": bench.agent_seconds, "connect_seconds": connect_s,
                   "first_read": {"blocks": reads[0]["blocks"],
                                  "seconds": reads[0]["first_seconds"]}},
-        "reads": reads, "best_gb_per_s": top["gb_per_s"], "best_blocks": top["blocks"],
+        "reads": reads, "poll_profile": poll_profile,
+        "best_gb_per_s": top["gb_per_s"], "best_blocks": top["blocks"],
         "copy_gb_per_s": top["copy_gb_per_s"], "ratio": ratio, "goal": GOAL,
         "met": ratio >= GOAL, "byte_exact": all(r["byte_exact"] for r in reads),
         "machine": machine(device),

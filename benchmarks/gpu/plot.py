@@ -47,11 +47,13 @@ def main(argv=None) -> None:
     )
     ax.axhline(1.0, color="black", lw=1, ls="--", label="goal")
     for i, (_, m, g) in enumerate(rows):
-        ax.text(i, m / g + 0.02, f"{m:.3g}\n(goal {g:.2g})", ha="center", fontsize=7)
+        ax.text(i, m / g + 0.03, f"{m:.3g}\n(goal {g:.2g})", ha="center", fontsize=7)
     ax.set_xticks(list(x), [r[0] for r in rows], fontsize=8)
     ax.set_ylabel("measured / goal")
     ax.set_ylim(0, 1.5)
-    ax.set_title("tandem on one H100 (benchmarks/gpu/run.sh)", fontsize=10)
+    env = out / "env.json"
+    card = json.loads(env.read_text())["gpu"]["name"] if env.exists() else "GPU"
+    ax.set_title(f"tandem on one {card} (benchmarks/gpu/run.sh)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "gpu_goals.png", dpi=110)
     print(out / "gpu_goals.png")

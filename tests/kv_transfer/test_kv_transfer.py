@@ -58,6 +58,9 @@ def test_blocks_arrive_byte_exact(pair, n):
     ev = receiver.wait_for(rid, timeout=30)
     assert isinstance(ev, ReadDone), ev
     assert list(ev.local_block_ids) == local
+    # ReadDone says when the sender's lease confirmation came, and it came (a read is DONE
+    # only after both); the GPU run splits a READ's wall clock with it.
+    assert 0 < ev.confirmed_s < 30 and 0 < ev.seconds < 30
     assert local_hashes(receiver.cache, local) == sender.call("hashes", blocks=remote)["hashes"]
     # The sender got the NIXL notification and released exactly those blocks.
     (rel,) = sender.wait_events(1, timeout=10)
