@@ -14,11 +14,16 @@ ops so the model uses either through `CausalLM.use_fused_ops`:
   activation side of W8A8 in one pass instead of five (abs, amax, divide, clamp, cast);
 - `add_rms_norm_fp8` / `silu_mul_fp8`: the norm and SiLU-and-multiply with that quantization
   fused in, for a W8A8 GEMM that reads only the FP8 row (engine.quantization.fp8.FP8Tokens).
+- `rope_(x, cos, sin, rot_heads)`: RoPE in place on the first `rot_heads` heads, one kernel for
+  q and k instead of torch's five per layer (`engine.models.rope.rotate`); see `_rope_kernel`
+  for how it stays bit-equal to HF's ops.
 
 They run on CPU tensors under TRITON_INTERPRET=1, which is how they are tested without a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,6 +31,9 @@ import triton.language as tl
 
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+# Triton's launch option that keeps a product and the sum after it two roundings instead of
+# one FMA; its interpreter (numpy, no FMAs) takes no such option.
+NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -218,16 +226,80 @@ def silu_mul_fp8(gate_up):
     return q, scale
 
 
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 (ties to even), as fp32: torch's rounding, done on the bits so
+    that it is the same under Triton's interpreter (whose bf16 cast truncates) as on a GPU."""
+    b = v.to(tl.uint32, bitcast=True)
+    b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return b.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to(v, ROUND: tl.constexpr, dt: tl.constexpr):
+    """v rounded to the activation dtype (ROUND 0: fp32, nothing; 1: bf16; 2: a cast)."""
+    if ROUND == 1:
+        return _round_bf16(v)
+    elif ROUND == 2:
+        return v.to(dt).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, cos_ptr, sin_ptr, s_xt, s_xh, s_ct, heads,
+    HALF: tl.constexpr, H_P: tl.constexpr, D_P: tl.constexpr, ROUND: tl.constexpr,
+):  # fmt: skip
+    """One token's leading `heads` heads: HF's `x * cos + rotate_half(x) * sin` with cos/sin
+    first rounded to the dtype (`cos.to(x.dtype)`), each product and the sum rounded as
+    torch's separate ops round them. The products of two dtype values are exact in fp32, so
+    only those roundings matter; launched with FMA contraction off (`rope_`), the fp32 case
+    also keeps its product rounded before the sum, as torch's two kernels do (run 2's Triton
+    RoPE lost bf16 agreement with transformers by contracting them)."""
+    t = tl.program_id(0)
+    dt = x_ptr.dtype.element_ty
+    h = tl.arange(0, H_P)[:, None]
+    i = tl.arange(0, D_P)[None, :]
+    mask = (h < heads) & (i < HALF)
+    c1 = _round_to(tl.load(cos_ptr + t * s_ct + i, mask=i < HALF, other=0.0), ROUND, dt)
+    c2 = _round_to(tl.load(cos_ptr + t * s_ct + HALF + i, mask=i < HALF, other=0.0), ROUND, dt)
+    s1 = _round_to(tl.load(sin_ptr + t * s_ct + i, mask=i < HALF, other=0.0), ROUND, dt)
+    s2 = _round_to(tl.load(sin_ptr + t * s_ct + HALF + i, mask=i < HALF, other=0.0), ROUND, dt)
+    p = x_ptr + t * s_xt + h * s_xh + i
+    x1 = tl.load(p, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p + HALF, mask=mask, other=0.0).to(tl.float32)
+    a = _round_to(_round_to(x1 * c1, ROUND, dt) - _round_to(x2 * s1, ROUND, dt), ROUND, dt)
+    b = _round_to(_round_to(x2 * c2, ROUND, dt) + _round_to(x1 * s2, ROUND, dt), ROUND, dt)
+    tl.store(p, a.to(dt), mask=mask)
+    tl.store(p + HALF, b.to(dt), mask=mask)
+
+
+def rope_(x, cos, sin, rot_heads):
+    """In place on x's first `rot_heads` heads ([tokens, heads, head_dim], head_dim
+    contiguous); cos/sin: the fp32 tables' rows [tokens, head_dim] (rounded here)."""
+    tokens, _, dim = x.shape
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("rope_ needs head_dim contiguous and cos/sin laid out alike")
+    if not tokens or not rot_heads:
+        return x
+    half = dim // 2
+    block = triton.next_power_of_2(rot_heads) * triton.next_power_of_2(half)
+    rounding = {torch.float32: 0, torch.bfloat16: 1}.get(x.dtype, 2)
+    _rope_kernel[(tokens,)](
+        x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), rot_heads,
+        HALF=half, H_P=triton.next_power_of_2(rot_heads), D_P=triton.next_power_of_2(half),
+        ROUND=rounding, num_warps=min(8, max(1, block // 512)), **NO_FP_FUSION,
+    )  # fmt: skip
+    return x
+
+
 class TritonOps:
     """The fused ops as the model takes them (the CPU kernels' `CpuOps` interface)."""
 
     max_rows = None  # every step size: a GPU kernel has no per-call cost to amortise
     add_rms_norm = staticmethod(add_rms_norm)
-    # No RoPE: a Triton RoPE written here (each product and the sum rounded to the dtype)
-    # differed from HF's by a bf16 step in some elements on an H100 (fp32: by FMA contraction),
-    # and bf16 greedy agreement with transformers fell (qwen3 125 -> 73 of 144 tokens); the
-    # model keeps HF's own torch ops for it (benchmarks/README.md, GPU section).
-    rope_ = None
+    rope_ = staticmethod(rope_)
     silu_mul = staticmethod(silu_mul)
     quantize_fp8_tokens = staticmethod(quantize_fp8_tokens)
     add_rms_norm_fp8 = staticmethod(add_rms_norm_fp8)

@@ -111,7 +111,7 @@ def test_greedy_past_the_window_on_the_other_paths(gemma, path):
             reason="triton is not installed (the test extra brings it on Linux x86_64 only)",
         )
         model.use_fused_ops(kernels.gpu_ops())
-        assert model.model.layers[0].input_layernorm.fused.rope_ is None
+        assert model.model.layers[0].self_attn.fused.rope_ is not None  # q/k after their norms
     _check_greedy(llm, gemma, _prompts(seed=1))
 
 

@@ -57,6 +57,44 @@ def test_silu_mul_matches_torch(dtype):
         _same(got, want)
 
 
+def _rope_case(tokens, heads, dim, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (3 * torch.randn(tokens, heads, dim, generator=g)).to(DEVICE, dtype)
+    positions = torch.randint(0, 8192, (tokens,), generator=g)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return x, emb.cos().to(DEVICE), emb.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 4, 2, 128), (3, 5, 1, 64), (5, 3, 3, 80)])
+def test_rope_equals_hf_bit_for_bit(dtype, shape):
+    """transformers' own apply_rotary_pos_emb (cos/sin cast to the dtype first, as its rotary
+    class does), on q and k heads side by side in one projection output (a strided view, as
+    the model passes it); the v heads after them are not touched. Exact in bf16 too: the
+    kernel rounds on the bits, not with the interpreter's truncating cast."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    tokens, q_heads, kv_heads, dim = shape
+    qkv, cos, sin = _rope_case(tokens, q_heads + 2 * kv_heads, dim, dtype, seed=q_heads)
+    rotated = q_heads + kv_heads
+    c, s = cos.to(dtype)[None], sin.to(dtype)[None]  # [1, tokens, dim]: HF's batch axis
+    q, k = (qkv[:, :q_heads].transpose(0, 1)[None], qkv[:, q_heads:rotated].transpose(0, 1)[None])
+    want_q, want_k = apply_rotary_pos_emb(q, k, c, s)
+    got = qkv.clone()
+    assert tf.rope_(got, cos, sin, rotated) is got
+    assert torch.equal(got[:, :q_heads], want_q[0].transpose(0, 1))
+    assert torch.equal(got[:, q_heads:rotated], want_k[0].transpose(0, 1))
+    assert torch.equal(got[:, rotated:], qkv[:, rotated:])
+
+
+def test_rope_refuses_a_layout_it_cannot_read():
+    x, cos, sin = _rope_case(4, 2, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="contiguous"):
+        tf.rope_(x.transpose(1, 2), cos, sin, 2)
+
+
 def test_fp8_token_quantization_matches_the_torch_path():
     x = _randn(3, 2000, dtype=torch.bfloat16) * 10
     x[1] = 0  # an all-zero token: the floor scale, no NaN
