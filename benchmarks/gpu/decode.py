@@ -5,7 +5,8 @@ A decode step must read every weight once and each sequence's KV; its bandwidth-
 those bytes over the card's measured copy bandwidth (bytes read plus written, as a streaming
 kernel moves them), measured in the same run. Reported per batch: the whole engine step
 (schedule, inputs, forward, sampling: what a user sees as TPOT) with graphs and eagerly, the
-graph replay alone, the MBU of each (bound / measured time) and a profile of each mode.
+graph replay alone, the MBU of each (bound / measured time) and a profile of each mode; then
+the paged decode kernel alone over its split length and key block (decode_kernel.py).
 Goals: MBU >= 0.70 at batch 1; batch 32 within 1.3x of its bound.
 
     python -m benchmarks.gpu.decode --device cuda --out DIR          # writes DIR/decode.json
@@ -13,6 +14,7 @@ Goals: MBU >= 0.70 at batch 1; batch 32 within 1.3x of its bound.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -105,6 +107,8 @@ def measure_batch(engine, batch: int, ctx: int, device, bandwidth: float) -> dic
 
 def main(argv=None) -> None:
     args, device = section_args(__doc__, argv)
+    if device.type == "cpu":  # the kernel sweep's Triton kernels run on CPU tensors so
+        os.environ["TRITON_INTERPRET"] = "1"  # (set before anything imports them)
     shape, ctx, batches = (SMALL, 64, (1, 4)) if args.quick else (LLAMA3_8B, 1024, (1, 32))
     bw = copy_bandwidth(device, (64 if args.quick else 2048) * 2**20)
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,9 +117,13 @@ def main(argv=None) -> None:
         graphs = engine.runner.graphs
         rows = [measure_batch(engine, b, ctx, device, bw["rw_gb_per_s"] * 1e9) for b in batches]
     sync(device)
+    from benchmarks.gpu.decode_kernel import sweep
+
+    kernel_sweep = sweep(device, args.quick)
     b1, bn = rows[0], rows[-1]
     write_json(args.out, "decode.json", {
         "device": str(device), "shape": shape, "copy": bw, "rows": rows,
+        "kernel_sweep": kernel_sweep,
         "graph_sizes": None if graphs is None else graphs.sizes,
         "graph_replays": None if graphs is None else graphs.replays,
         "goal_batch1_mbu": 0.70, "met_batch1": (b1["mbu_step_graphs"] or 0) >= 0.70,

@@ -39,6 +39,9 @@ PACKAGES = [  # pinned to what tandem is tested with here
     "typing-inspection==0.4.5",
     "annotated-types==0.8.0",
     "gguf==0.19.0",
+    # The tests section in parallel (run.py): cold, its Triton compiles alone outran 200 s.
+    "pytest-xdist==3.8.0",
+    "execnet==2.1.2",
 ]
 ROOTS = (
     r"nixl_cu13/[^/]*\.so$",

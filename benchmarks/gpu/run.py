@@ -39,6 +39,7 @@ PROBES = {
     "default": {"UCX_LOG_LEVEL": "info"},
     "cuda_ipc_get_off": {"UCX_LOG_LEVEL": "info", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"},
 }
+TEST_WORKERS = 4  # of the GPU machine's 16 cores; each worker holds a CUDA context
 MODULES = {"env": "benchmarks.gpu.env_probe", "nixl": "benchmarks.gpu.nixl_bandwidth"}
 TEST_FILES = [
     "tests/engine/test_triton_attention.py", "tests/engine/test_triton_fused.py",
@@ -116,7 +117,22 @@ def tests_command(args) -> list[str]:
            f"--junitxml={Path(args.out) / '.junit.xml'}", "-o", "addopts=-ra"]  # fmt: skip
     if args.quick:  # on a CPU every GPU-marked test skips: this checks the plumbing only
         cmd += ["-m", "gpu"]
+    elif _xdist_usable():  # files over 4 workers (tests/xdist_scopes.py): run 6's first call
+        cmd += ["-n", str(TEST_WORKERS)]  # spent its 200 s compiling Triton kernels in one
     return cmd
+
+
+def _xdist_usable() -> bool:
+    """pytest-xdist importable (carried in .whl) beside a pytest it supports (>= 7)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("xdist") is None:
+        return False
+    try:
+        return int(importlib.metadata.version("pytest").split(".")[0]) >= 7
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
 
 
 def junit_summary(path: Path) -> dict:

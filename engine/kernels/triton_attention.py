@@ -172,8 +172,8 @@ def _decode_merge_kernel(
              mask=d < HEAD_DIM)  # fmt: skip
 
 
-def num_splits(max_context: int) -> int:
-    return max(1, triton.cdiv(max_context, SPLIT_LEN))
+def num_splits(max_context: int, split_len: int = SPLIT_LEN) -> int:
+    return max(1, triton.cdiv(max_context, split_len))
 
 
 def paged_decode(
@@ -185,13 +185,17 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     max_context: int,
+    split_len: int = SPLIT_LEN,
+    block_n: int = BLOCK_N,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
     q: [b, heads, head_dim]; kc/vc: one layer's cache views; block_tables: [b, >= blocks of
     the longest context]; context_lens: [b] keys per sequence (0 for padding rows: output 0);
-    `max_context`: a host-side bound on context_lens (sets the grid). Returns [b, heads,
-    head_dim] in q's dtype."""
+    `max_context`: a host-side bound on context_lens (sets the grid). `split_len` / `block_n`:
+    context tokens per program / keys per inner iteration (powers of two, block_n dividing
+    split_len); the GPU run's kernel sweep tries others. Returns [b, heads, head_dim] in q's
+    dtype."""
     b, heads, dim = q.shape
     kv_heads = kc.shape[2]
     if heads % kv_heads:
@@ -200,7 +204,9 @@ def paged_decode(
     out = torch.empty(b, heads, dim, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    splits = num_splits(max_context)
+    if split_len % block_n or block_n < 16:
+        raise ValueError(f"block_n {block_n} must be >= 16 and divide split_len {split_len}")
+    splits = num_splits(max_context, split_len)
     mid_o = torch.empty(b, heads, splits, dim, dtype=torch.float32, device=q.device)
     mid_lse = torch.empty(b, heads, splits, dtype=torch.float32, device=q.device)
     group = heads // kv_heads
@@ -210,7 +216,7 @@ def paged_decode(
         block_tables.stride(0),
         scale, sliding_window or 0, kc.shape[1], heads, splits,
         GROUP=group, G_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
-        D_P=max(16, triton.next_power_of_2(dim)), BLOCK=BLOCK_N, SPLIT=SPLIT_LEN,
+        D_P=max(16, triton.next_power_of_2(dim)), BLOCK=block_n, SPLIT=split_len,
         IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED,
     )  # fmt: skip
     _decode_merge_kernel[(b, heads)](
