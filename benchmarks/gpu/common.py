@@ -137,6 +137,35 @@ def profile_top(fn: Callable[[], object], device: torch.device, top: int = 12) -
     }
 
 
+def python_profile(fn: Callable[[], object], top: int = 15) -> dict:
+    """One run of `fn` under cProfile: this thread's Python functions by their own time (what
+    the host does while the GPU waits: a decode step's scheduling and bookkeeping, a READ's
+    polls)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        fn()
+    finally:
+        prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "seconds": round(sum(v[2] for v in stats.values()), 6),
+        "by_own_time": [
+            {
+                "function": f"{Path(f).name}:{line}({name})",
+                "calls": nc,
+                "own_s": round(tt, 6),
+                "cumulative_s": round(ct, 6),
+            }
+            for (f, line, name), (_, nc, tt, ct, _) in rows
+        ],  # fmt: skip
+    }
+
+
 def section_args(doc: str, argv=None):
     """The flags every section takes: --device, --quick (the CPU dry run's small shapes),
     --out (the results folder)."""

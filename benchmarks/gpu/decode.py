@@ -26,6 +26,7 @@ from benchmarks.gpu.common import (
     copy_bandwidth,
     log,
     profile_top,
+    python_profile,
     section_args,
     stats,
     sync,
@@ -87,6 +88,8 @@ def measure_batch(engine, batch: int, ctx: int, device, bandwidth: float) -> dic
     row["step_graphs_s"] = stats(timed(engine.step, device, STEPS, WARMUP))["median"]
     row["replay_s"] = replay_seconds(engine, batch, device)
     row["profile_graphs"] = profile_top(lambda: [engine.step() for _ in range(3)], device)
+    # The host's share of a graphed step (step minus replay): which Python functions, per step.
+    row["host_profile_graphs"] = python_profile(lambda: [engine.step() for _ in range(3)])
     engine.runner.graphs = None
     try:
         row["step_eager_s"] = stats(timed(engine.step, device, STEPS, WARMUP))["median"]

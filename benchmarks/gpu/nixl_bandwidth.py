@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
 import importlib.metadata
 import json
 import os
 import platform
-import pstats
 import queue
 import statistics
 import subprocess
@@ -42,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu.common import python_profile
 from benchmarks.gpu.nixl_peer import blocks_sha256, make_spec
 from engine.kv_cache import KVCache
 from kv_transfer.agent import KVTransferAgent
@@ -213,16 +212,13 @@ def measure(bench: Bench, n: int, repeats: int) -> dict:
 def profile_read(bench: Bench, n: int) -> dict:
     """One more read of `n` blocks under cProfile: where this thread's time goes between
     start_read and ReadDone (the status checks, the handle release, the lease's lock)."""
-    prof = cProfile.Profile()
-    prof.enable()
-    wall, parts = bench.read_once(list(range(n)))
-    prof.disable()
-    stats = pstats.Stats(prof)
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
-    return {"blocks": n, "wall": wall, "parts": parts,
-            "by_own_time": [{"function": f"{Path(f).name}:{line}({name})", "calls": nc,
-                             "own_s": round(tt, 6), "cumulative_s": round(ct, 6)}
-                            for (f, line, name), (_, nc, tt, ct, _) in rows]}  # fmt: skip
+    out = {}
+
+    def read():
+        out["wall"], out["parts"] = bench.read_once(list(range(n)))
+
+    prof = python_profile(read)
+    return {"blocks": n, **out, **prof}
 
 
 def machine(device: torch.device) -> dict:
