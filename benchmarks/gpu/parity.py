@@ -115,7 +115,18 @@ def main(argv=None) -> None:
     graphs_ok = all(r.get("graphs_equal_eager") for r in rows)
     write_json(args.out, "parity.json", {
         "device": str(device), "rows": rows, "fp32_exact": fp32_ok, "graphs_equal_eager": graphs_ok,
+        "triton_rope_equals_torch": _rope_check(device),
     })  # fmt: skip
+
+
+def _rope_check(device) -> dict | None:
+    """Whether the Triton RoPE is bit-equal to torch's here (the engine used it above only if
+    so; engine.kernels.gpu_ops). None on CPU: the rows above ran torch's RoPE there."""
+    if device.type != "cuda":
+        return None
+    from engine.kernels.triton_fused import rope_matches_torch
+
+    return rope_matches_torch(device)
 
 
 if __name__ == "__main__":

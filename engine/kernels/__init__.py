@@ -64,16 +64,36 @@ class CpuOps:
     decode_stack: Any = None
 
 
-def gpu_ops():
+def gpu_ops(device=None):
     """The GPU's fused ops (engine.kernels.triton_fused.TritonOps), or None without Triton:
-    the model keeps its torch path then. Imported on first use: Triton is a GPU extra."""
+    the model keeps its torch path then. Imported on first use: Triton is a GPU extra. With
+    `device`, the RoPE kernel is checked there first, as the CPU kernels are (once per
+    device): where it is not bit-equal to torch's RoPE, RoPE stays in torch (greedy parity
+    with transformers depends on it, and a compiler may contract differently on another GPU)."""
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
         return None
-    from engine.kernels.triton_fused import TritonOps
+    from engine.kernels.triton_fused import TritonOps, TritonOpsTorchRope
 
-    return TritonOps
+    if device is None or _rope_checks(str(device)):
+        return TritonOps
+    return TritonOpsTorchRope
+
+
+@functools.cache
+def _rope_checks(device: str) -> bool:
+    from engine.kernels.triton_fused import rope_matches_torch
+
+    try:
+        agree = rope_matches_torch(device)
+    except Exception as exc:  # a kernel that cannot run here is as bad as a wrong one
+        log.warning("the Triton RoPE raised %r on %s; RoPE stays in torch", exc, device)
+        return False
+    if not all(agree.values()):
+        log.warning("the Triton RoPE differs from torch's on %s (%s); RoPE stays in torch",
+                    device, agree)  # fmt: skip
+    return all(agree.values())
 
 
 def enabled() -> bool:

@@ -294,13 +294,39 @@ def rope_(x, cos, sin, rot_heads):
     return x
 
 
+def rope_matches_torch(device) -> dict[str, bool]:
+    """`rope_` against the model's torch RoPE (`engine.models.rope.rotate`, bit-equal to
+    transformers') on `device`, bit for bit, per dtype: fp32 and bf16 on an 8B layer's head
+    size, positions up to 64k. `gpu_ops` keeps the kernel only where every dtype agrees."""
+    from engine.models.rope import rotate
+
+    g = torch.Generator().manual_seed(0)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
+    freqs = torch.randint(0, 65536, (9,), generator=g)[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device), emb.sin().to(device)
+    agree = {}
+    for dt in (torch.float32, torch.bfloat16):
+        x = (4 * torch.randn(9, 12, 128, generator=g)).to(device, dt)
+        want = rotate(x[:, :10], cos.to(dt).unsqueeze(1), sin.to(dt).unsqueeze(1))
+        got = rope_(x.clone(), cos, sin, 10)[:, :10]
+        agree[str(dt).removeprefix("torch.")] = bool(torch.equal(got, want))
+    return agree
+
+
 class TritonOps:
     """The fused ops as the model takes them (the CPU kernels' `CpuOps` interface)."""
 
     max_rows = None  # every step size: a GPU kernel has no per-call cost to amortise
     add_rms_norm = staticmethod(add_rms_norm)
-    rope_ = staticmethod(rope_)
+    rope_ = staticmethod(rope_)  # off (None) where rope_matches_torch fails: engine.kernels
     silu_mul = staticmethod(silu_mul)
     quantize_fp8_tokens = staticmethod(quantize_fp8_tokens)
     add_rms_norm_fp8 = staticmethod(add_rms_norm_fp8)
     silu_mul_fp8 = staticmethod(silu_mul_fp8)
+
+
+class TritonOpsTorchRope(TritonOps):
+    """The fused ops with RoPE left to torch: where the RoPE kernel disagreed with it."""
+
+    rope_ = None

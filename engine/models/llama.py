@@ -224,7 +224,7 @@ class CausalLM(nn.Module):
         )
         self.use_fused_cpu_ops(on_cpu and prev in (torch.float32, torch.bfloat16))
         if self.lm_head.weight.device.type == "cuda":
-            self.use_fused_ops(kernels.gpu_ops())
+            self.use_fused_ops(kernels.gpu_ops(self.lm_head.weight.device))
 
     def _register_rope(self, cfg: ModelConfig, layer_type=None, prefix: str = "rope") -> None:
         """Buffers `{prefix}_cos` / `{prefix}_sin`: the fp32 tables of every position."""

@@ -95,6 +95,34 @@ def test_rope_refuses_a_layout_it_cannot_read():
         tf.rope_(x.transpose(1, 2), cos, sin, 2)
 
 
+def test_gpu_ops_keep_the_rope_kernel_only_where_it_equals_torch(monkeypatch):
+    """gpu_ops(device) checks the RoPE kernel on the device first (once per device): bit-equal,
+    it is used; otherwise (here: one rounding fewer, as a contracted FMA gives) RoPE stays in
+    torch and the other fused ops stay on."""
+    from engine import kernels
+
+    kernels._rope_checks.cache_clear()
+    assert tf.rope_matches_torch(DEVICE) == {"float32": True, "bfloat16": True}
+    assert kernels.gpu_ops(DEVICE).rope_ is tf.rope_
+
+    def contracted(x, cos, sin, rot_heads):  # x * cos + rot(x) * sin, the products unrounded
+        half = x.shape[-1] // 2
+        y, c, s = x[:, :rot_heads].float(), cos[:, None].to(x.dtype).float(), sin[:, None]
+        s = s.to(x.dtype).float()
+        rot = torch.cat((-y[..., half:], y[..., :half]), dim=-1)
+        x[:, :rot_heads] = (y * c + rot * s).to(x.dtype)
+        return x
+
+    monkeypatch.setattr(tf, "rope_", contracted)
+    kernels._rope_checks.cache_clear()
+    try:
+        ops = kernels.gpu_ops(DEVICE)
+        assert ops.rope_ is None and ops.add_rms_norm is tf.TritonOps.add_rms_norm
+        assert kernels.gpu_ops() is tf.TritonOps  # no device: nothing checked
+    finally:
+        kernels._rope_checks.cache_clear()  # the wrong kernel's verdict must not outlive it
+
+
 def test_fp8_token_quantization_matches_the_torch_path():
     x = _randn(3, 2000, dtype=torch.bfloat16) * 10
     x[1] = 0  # an all-zero token: the floor scale, no NaN
