@@ -52,12 +52,16 @@ class Read:
     status: TransferStatus = field(default_factory=TransferStatus)
     next_chunk: int = 0
     handle: Any = None  # NIXL xfer handle of the chunk in flight
-    acked: bool = False  # the sender confirmed the blocks were held (pinned) for us
-    acked_at: float | None = None  # monotonic; when that confirmation arrived
+    # Monotonic; when the sender confirmed the blocks were held (pinned) for us (None: not yet).
+    acked_at: float | None = None
     landed_at: float | None = None
     tell_sender: bool = False  # on failure, send Abort so the sender frees at once
     aborted: bool = False
     ranks_out: bool = False  # the other ranks' READs posted, not yet landed or cancelled
+
+    @property
+    def acked(self) -> bool:
+        return self.acked_at is not None
 
 
 @dataclass(slots=True, frozen=True)

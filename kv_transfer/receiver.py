@@ -373,7 +373,7 @@ class Receiver:
             self._stats.transfers += 1
             self._stats.bytes_read += read.num_bytes
             self._stats.seconds += seconds
-            confirmed = (read.acked_at or read.started_at) - read.started_at
+            confirmed = read.acked_at - read.started_at
             done = ReadDone(read.request_id, read.local_ids, read.num_bytes, seconds, confirmed)
             self._events.append(done)
             del self._reads[read.request_id]
@@ -484,11 +484,9 @@ class Receiver:
             if read.acked_at is None and status in ("ok", "done"):
                 read.acked_at = time.monotonic()
             if status == "ok":
-                read.acked = True
                 if sent is not None:  # measured from our send: never later than the sender's
                     read.lease_until = sent + remaining
             elif status == "done":
-                read.acked = True
                 read.lease_until = math.inf
             else:
                 self._fail(read, f"the sender reports the lease {status}")

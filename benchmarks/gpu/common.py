@@ -162,7 +162,7 @@ def python_profile(fn: Callable[[], object], top: int = 15) -> dict:
                 "cumulative_s": round(ct, 6),
             }
             for (f, line, name), (_, nc, tt, ct, _) in rows
-        ],  # fmt: skip
+        ],
     }
 
 

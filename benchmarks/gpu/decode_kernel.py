@@ -16,13 +16,11 @@ the plumbing and the outputs, not the speed.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
-from benchmarks.gpu.common import log, sync
+from benchmarks.gpu.common import log, stats, sync, timed
 
-# (split_len, block_n); (128, 32) is the kernel's default (engine.kernels.triton_attention).
+# (split_len, block_n); (128, 32) is the kernel's default (triton_attention.SPLIT_LEN, BLOCK_N).
 VARIANTS = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (256, 64)]
 QUICK_VARIANTS = [(32, 32), (64, 64), (128, 32)]  # the interpreter is slow: the plumbing only
 FULL = {"layers": 32, "kv_heads": 8, "heads": 32, "dim": 128, "block": 16, "ctx": 1024}
@@ -64,13 +62,14 @@ def _step(case: dict, max_context: int, split: int, block_n: int) -> list[torch.
             max_context,
             split_len=split,
             block_n=block_n,
-        )  # fmt: skip
+        )
         for kc, vc in case["layers"]
     ]
 
 
 def _seconds(fn, device) -> float:
-    """Median seconds of one call of `fn`: a replayed CUDA graph of it on a GPU."""
+    """Median seconds of one call of `fn`: a replayed CUDA graph of it on a GPU (0 on CPU,
+    where it is only run once: the interpreter's time says nothing)."""
     if device.type != "cuda":
         fn()
         return 0.0
@@ -82,22 +81,15 @@ def _seconds(fn, device) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    times = []
-    for i in range(WARMUP + REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        if i >= WARMUP:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return stats(timed(graph.replay, device, REPLAYS, WARMUP))["median"]
 
 
 def _variants(case: dict, batch: int, bounds: list[int], variants, device) -> list[dict]:
     """One row per (variant, grid bound): its step time and how far its output is from the
     default variant's."""
-    reference = _step(case, bounds[0], 128, 32)
+    from engine.kernels.triton_attention import BLOCK_N, SPLIT_LEN
+
+    reference = _step(case, bounds[0], SPLIT_LEN, BLOCK_N)
     rows = []
     for split, block_n in variants:
         for max_context in bounds:
