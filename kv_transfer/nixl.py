@@ -110,9 +110,11 @@ def check_block_ids(request_id: str, ids: Any, num_blocks: int) -> tuple[int, ..
         raise TransferError(str(request_id)[:256], "request_id must be a non-empty string")
     if not isinstance(ids, list | tuple) or not ids:
         raise TransferError(request_id, "block ids must be a non-empty list")
-    if any(isinstance(b, bool) or not isinstance(b, int | np.integer) for b in ids):
+    # By distinct type, not per id: a 1024-block READ checked id by id in Python cost about a
+    # millisecond of its wall clock on the H200's host (GPU run 6's poll profile).
+    if any(t is bool or not issubclass(t, int | np.integer) for t in set(map(type, ids))):
         raise TransferError(request_id, "block ids must be ints")
-    out = tuple(int(b) for b in ids)
+    out = tuple(map(int, ids))
     if min(out) < 0 or max(out) >= num_blocks:
         raise TransferError(request_id, f"block ids must be in [0, {num_blocks})")
     if len(set(out)) != len(out):

@@ -145,6 +145,7 @@ class Bench:
         sync(self.device)  # nothing of ours still queued when the clock starts
         t = time.perf_counter()
         self.agent.start_read(rid, self.sender, ids, ids, deadline)
+        posted = time.perf_counter() - t  # the ids checked and the first chunk posted
         ev = self._wait(rid, timeout=30.0)
         seen = time.perf_counter() - t
         sync(self.device)  # the READ's copy is on UCX's stream: make sure it is visible here
@@ -153,7 +154,7 @@ class Bench:
             raise RuntimeError(f"READ of {len(ids)} blocks failed: {ev}")
         # Untimed: the sender frees the blocks (NIXL notification) before they are held again.
         self.peer.call(op="wait_released", rid=rid, timeout=30.0)
-        parts = {"landed": ev.seconds, "confirmed": ev.confirmed_s, "seen": seen}
+        parts = {"posted": posted, "landed": ev.seconds, "confirmed": ev.confirmed_s, "seen": seen}
         return wall, parts
 
     def _wait(self, rid: str, timeout: float):
@@ -203,8 +204,9 @@ def measure(bench: Bench, n: int, repeats: int) -> dict:
         "ratio": (nbytes / best) / (nbytes / cbest), "byte_exact": ours == theirs,
         "chunks": -(-n // bench.blocks_per_chunk), "samples_seconds": walls,
         "copy_samples_seconds": copies,
-        # Per sample: READ landed, lease confirmed, ReadDone seen by our poll (all from
-        # start_read); the wall adds the final device sync.
+        # Per sample: start_read returned, ReadDone seen by our poll (from our clock's start);
+        # READ landed, lease confirmed (from the agent's start, after the ids are checked);
+        # the wall adds the final device sync.
         "wall_parts": parts,
     }  # fmt: skip
 

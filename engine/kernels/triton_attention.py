@@ -31,7 +31,16 @@ import triton.language as tl
 # are widened to fp32 first (p still rounded to the cache dtype, as on the GPU).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SPLIT_LEN = 128  # context tokens per decode program
-BLOCK_N = 32  # keys per inner iteration
+# Keys per inner iteration. H200 run 7's sweep (benchmarks/gpu/decode_kernel.py, 32 layers of
+# Llama-3-8B's cache as CUDA graphs): one iteration per split (128 of 128) was fastest at batch 1
+# (258 us vs 389 us for 32 keys at 1024 tokens) and within 2% of the best at batch 32. A
+# 256-wide head keeps 64: two [128, 256] tiles per iteration would crowd shared memory.
+BLOCK_N = 128
+BLOCK_N_WIDE_HEAD = 64
+
+
+def default_block_n(head_dim: int) -> int:
+    return BLOCK_N if head_dim <= 128 else BLOCK_N_WIDE_HEAD
 
 
 @triton.jit
@@ -186,7 +195,7 @@ def paged_decode(
     sliding_window: int | None,
     max_context: int,
     split_len: int = SPLIT_LEN,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -194,8 +203,8 @@ def paged_decode(
     the longest context]; context_lens: [b] keys per sequence (0 for padding rows: output 0);
     `max_context`: a host-side bound on context_lens (sets the grid). `split_len` / `block_n`:
     context tokens per program / keys per inner iteration (powers of two, block_n dividing
-    split_len); the GPU run's kernel sweep tries others. Returns [b, heads, head_dim] in q's
-    dtype."""
+    split_len; by default `default_block_n(head_dim)`); the GPU run's kernel sweep tries
+    others. Returns [b, heads, head_dim] in q's dtype."""
     b, heads, dim = q.shape
     kv_heads = kc.shape[2]
     if heads % kv_heads:
@@ -204,6 +213,7 @@ def paged_decode(
     out = torch.empty(b, heads, dim, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    block_n = default_block_n(dim) if block_n is None else block_n
     if split_len % block_n or block_n < 16:
         raise ValueError(f"block_n {block_n} must be >= 16 and divide split_len {split_len}")
     splits = num_splits(max_context, split_len)

@@ -300,14 +300,17 @@ def rope_matches_torch(device) -> dict[str, bool]:
     size, positions up to 64k. `gpu_ops` keeps the kernel only where every dtype agrees."""
     from engine.models.rope import rotate
 
+    # Built on the CPU whatever the default device: the engine calls this while it loads a
+    # model under `with torch.device("cuda")` (GPU run 7 found the check failing there).
+    cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2).float() / 128))
-    freqs = torch.randint(0, 65536, (9,), generator=g)[:, None].float() * inv_freq
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device=cpu).float() / 128))
+    freqs = torch.randint(0, 65536, (9,), generator=g, device=cpu)[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(device), emb.sin().to(device)
     agree = {}
     for dt in (torch.float32, torch.bfloat16):
-        x = (4 * torch.randn(9, 12, 128, generator=g)).to(device, dt)
+        x = (4 * torch.randn(9, 12, 128, generator=g, device=cpu)).to(device, dt)
         want = rotate(x[:, :10], cos.to(dt).unsqueeze(1), sin.to(dt).unsqueeze(1))
         got = rope_(x.clone(), cos, sin, 10)[:, :10]
         agree[str(dt).removeprefix("torch.")] = bool(torch.equal(got, want))

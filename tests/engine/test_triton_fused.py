@@ -123,6 +123,23 @@ def test_gpu_ops_keep_the_rope_kernel_only_where_it_equals_torch(monkeypatch):
         kernels._rope_checks.cache_clear()  # the wrong kernel's verdict must not outlive it
 
 
+def test_the_rope_check_runs_under_another_default_device():
+    """The engine loads a model under `with torch.device(...)`, and checks the RoPE kernel
+    there: the check's inputs are built on the CPU whatever the default device, and the
+    engine's verdict is recorded (GPU run 7: the check raised under the model's default device,
+    and the engine silently ran torch's RoPE)."""
+    from engine import kernels
+
+    kernels._rope_checks.cache_clear()
+    try:
+        with torch.device("meta"):
+            assert tf.rope_matches_torch(DEVICE) == {"float32": True, "bfloat16": True}
+            assert kernels.gpu_ops(DEVICE).rope_ is tf.rope_
+        assert kernels.ROPE_VERDICTS[DEVICE] is True
+    finally:
+        kernels._rope_checks.cache_clear()
+
+
 def test_fp8_token_quantization_matches_the_torch_path():
     x = _randn(3, 2000, dtype=torch.bfloat16) * 10
     x[1] = 0  # an all-zero token: the floor scale, no NaN

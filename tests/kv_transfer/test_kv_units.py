@@ -31,6 +31,7 @@ from kv_transfer.nixl import (
     CUDA_IPC_GET_ENV,
     BlockRegion,
     allow_cuda_ipc_reads,
+    check_block_ids,
     chunk,
     default_max_read_bytes,
 )
@@ -246,3 +247,31 @@ def test_cuda_ipc_reads_are_allowed_unless_the_operator_said_otherwise(monkeypat
     monkeypatch.setenv(CUDA_IPC_GET_ENV, "n")
     allow_cuda_ipc_reads()
     assert os.environ[CUDA_IPC_GET_ENV] == "n"
+
+
+@pytest.mark.parametrize(
+    "ids, why",
+    [
+        ([1, True, 2], "ints"),
+        ([1, 2.0], "ints"),
+        (["1"], "ints"),
+        ([np.bool_(True)], "ints"),
+        ([0, 8], "in \\[0, 8\\)"),
+        ([-1], "in \\[0, 8\\)"),
+        ([3, 3], "repeat"),
+        ([], "non-empty"),
+        ("012", "non-empty list"),
+    ],
+)
+def test_block_ids_are_checked_before_any_read(ids, why):
+    """Block ids are checked by their distinct types (fast for a 1024-block READ), and still
+    refuse a bool among ints, a float, a str, an id out of range or repeated."""
+    with pytest.raises(TransferError, match=why) as err:
+        check_block_ids("req-7", ids, 8)
+    assert err.value.request_id == "req-7"
+
+
+def test_block_ids_accept_python_and_numpy_ints():
+    ids = [0, np.int64(5), np.int32(7), 2]
+    out = check_block_ids("r", ids, 8)
+    assert out == (0, 5, 7, 2) and all(type(b) is int for b in out)
