@@ -1,4 +1,4 @@
-"""The paged decode kernel alone, over its split length and key block: which shape reads a
+"""The paged decode kernel alone, over its split length, key block and warps: which shape reads a
 Llama-3-8B layer's KV fastest at batch 1 and 32 (decode.py's rows, 1k-token contexts).
 
 Run 6 (H200) put the kernel at 0.29 ms a step at batch 1 for 134 MB of KV (0.46 TB/s: 64
@@ -20,9 +20,13 @@ import torch
 
 from benchmarks.gpu.common import log, stats, sync, timed
 
-# (split_len, block_n); (128, 128) is the kernel's default for 128-wide heads (run 6 had 32).
-VARIANTS = [(32, 32), (64, 32), (64, 64), (128, 32), (128, 64), (128, 128), (256, 64), (256, 128)]
-QUICK_VARIANTS = [(32, 32), (64, 64), (128, 32)]  # the interpreter is slow: the plumbing only
+# (split_len, block_n, num_warps or None for Triton's 4); (128, 128, None) is the kernel's
+# default for 128-wide heads since run 7 (run 6 had 32 keys; run 7 swept split and block
+# only: 128/128 best at batch 1, 256/64 2% ahead at batch 32). Run 8 adds the warp count.
+VARIANTS = [(64, 64, None), (128, 32, None), (128, 128, None), (256, 64, None), (256, 128, None),
+            (128, 64, 2), (128, 128, 8), (256, 128, 8)]  # fmt: skip
+# The interpreter is slow: the plumbing only.
+QUICK_VARIANTS = [(32, 32, None), (64, 64, None), (128, 32, None), (128, 64, 2)]
 FULL = {"layers": 32, "kv_heads": 8, "heads": 32, "dim": 128, "block": 16, "ctx": 1024}
 QUICK = {"layers": 2, "kv_heads": 2, "heads": 4, "dim": 16, "block": 4, "ctx": 40}
 REPLAYS, WARMUP = 20, 3
@@ -46,7 +50,7 @@ def _case(spec: dict, batch: int, device, seed: int = 0) -> dict:
     return {"q": q, "layers": layers, "tables": tables, "lens": lens, "kv_bytes": kv_bytes}
 
 
-def _step(case: dict, max_context: int, split: int, block_n: int) -> list[torch.Tensor]:
+def _step(case: dict, max_context: int, split: int, block_n: int, warps=None) -> list:
     from engine.kernels.triton_attention import paged_decode
 
     scale = case["q"].shape[-1] ** -0.5
@@ -62,6 +66,7 @@ def _step(case: dict, max_context: int, split: int, block_n: int) -> list[torch.
             max_context,
             split_len=split,
             block_n=block_n,
+            num_warps=warps,
         )
         for kc, vc in case["layers"]
     ]
@@ -91,17 +96,18 @@ def _variants(case: dict, batch: int, bounds: list[int], variants, device) -> li
 
     reference = _step(case, bounds[0], SPLIT_LEN, default_block_n(case["q"].shape[-1]))
     rows = []
-    for split, block_n in variants:
+    for split, block_n, warps in variants:
         for max_context in bounds:
 
-            def step(max_context=max_context, split=split, block_n=block_n):
-                return _step(case, max_context, split, block_n)
+            def step(max_context=max_context, split=split, block_n=block_n, warps=warps):
+                return _step(case, max_context, split, block_n, warps)
 
             diff = max((a.float() - b.float()).abs().max().item()
                        for a, b in zip(step(), reference, strict=True))  # fmt: skip
             seconds = _seconds(step, device)
             rows.append({"batch": batch, "split_len": split, "block_n": block_n,
-                         "max_context": max_context, "step_us": seconds * 1e6,
+                         "num_warps": warps or 4, "max_context": max_context,
+                         "step_us": seconds * 1e6,
                          "kv_gb_per_s": case["kv_bytes"] / seconds / 1e9 if seconds else None,
                          "max_abs_diff": diff})  # fmt: skip
     return rows
@@ -121,10 +127,11 @@ def sweep(device, quick: bool) -> dict:
         mine = [r for r in rows if r["batch"] == batch and r["step_us"] > 0]
         if mine:
             top = min(mine, key=lambda r: r["step_us"])
-            keys = ("split_len", "block_n", "max_context", "step_us")
+            keys = ("split_len", "block_n", "num_warps", "max_context", "step_us")
             best[str(batch)] = {k: top[k] for k in keys}
             log(f"paged decode batch {batch}: best split {top['split_len']} block "
-                f"{top['block_n']} at {top['step_us']:.0f} us/step")  # fmt: skip
+                f"{top['block_n']} warps {top['num_warps']} at "
+                f"{top['step_us']:.0f} us/step")  # fmt: skip
     worst_diff = max(r["max_abs_diff"] for r in rows)
     return {"spec": spec, "rows": rows, "best": best, "max_abs_diff": worst_diff,
             "outputs_agree": worst_diff < 0.05}  # fmt: skip

@@ -196,6 +196,7 @@ def paged_decode(
     max_context: int,
     split_len: int = SPLIT_LEN,
     block_n: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query per sequence over its paged context.
 
@@ -203,8 +204,9 @@ def paged_decode(
     the longest context]; context_lens: [b] keys per sequence (0 for padding rows: output 0);
     `max_context`: a host-side bound on context_lens (sets the grid). `split_len` / `block_n`:
     context tokens per program / keys per inner iteration (powers of two, block_n dividing
-    split_len; by default `default_block_n(head_dim)`); the GPU run's kernel sweep tries
-    others. Returns [b, heads, head_dim] in q's dtype."""
+    split_len; by default `default_block_n(head_dim)`); `num_warps`: the split kernel's
+    (Triton's default, 4, when None); the GPU run's kernel sweep tries others. Returns
+    [b, heads, head_dim] in q's dtype."""
     b, heads, dim = q.shape
     kv_heads = kc.shape[2]
     if heads % kv_heads:
@@ -228,6 +230,7 @@ def paged_decode(
         GROUP=group, G_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=dim,
         D_P=max(16, triton.next_power_of_2(dim)), BLOCK=block_n, SPLIT=split_len,
         IEEE=q.dtype == torch.float32 or INTERPRETED, UPCAST=INTERPRETED,
+        **({} if num_warps is None else {"num_warps": num_warps}),
     )  # fmt: skip
     _decode_merge_kernel[(b, heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1), heads, splits,
