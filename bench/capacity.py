@@ -98,6 +98,9 @@ def engine_config(cfg: CapacityConfig, role: str) -> Any:
         seed=cfg.seed,
         role=role,
         tensor_parallel_size=cfg.tp,
+        # Steps are timed one at a time, synced, and their tokens read per step: decode-ahead
+        # (whose gain is between steps, and whose tokens come a step later) stays off.
+        decode_ahead="off",
     )
 
 

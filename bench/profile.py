@@ -192,6 +192,7 @@ def _build_engine(cfg: ProfileConfig, window_len: int, longest: int) -> Any:
             num_kv_blocks=2 * (-(-longest // 16)) + 8,
             max_model_len=window_len,
             seed=cfg.seed,
+            decode_ahead="off",  # one synced step per timing, its tokens read at once
         )
     )
 

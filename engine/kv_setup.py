@@ -37,3 +37,17 @@ def build_kv(spec: KVCacheSpec, config, mc, device: torch.device, num_blocks: in
         config.attention_backend, device, mc.head_dim**-0.5, mc.sliding_window, config.kv_dtype
     )
     return cache, backend
+
+
+def auto_num_blocks(spec: KVCacheSpec, config, device: torch.device, max_model_len: int) -> int:
+    """KV blocks when the config names none: 85% of free GPU memory, or the CPU budget
+    (`kv_cache_memory_gb`, default 1 GiB); never more than the batch could ever use."""
+    per_block = KVCache.bytes_per_block(spec)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * 0.85)
+    else:
+        budget = int((config.kv_cache_memory_gb or 1.0) * 2**30)
+    per_seq = -(-max_model_len // config.block_size)
+    cap = config.max_num_seqs * per_seq + 1
+    return max(1, min(budget // per_block, cap))

@@ -22,10 +22,13 @@ import torch
 from engine.config import ModelConfig, parse_dtype
 from engine.config_flags import setting
 from engine.cuda_graphs import DecodeGraphs
-from engine.kv_cache import KV_DTYPES, BlockManager, KVCache
-from engine.kv_connector import ROLE_CALLS, Handoff, KVConnector
+from engine.decode_ahead import MODES as DECODE_AHEAD_MODES
+from engine.decode_ahead import DecodeAhead
+from engine.kv_cache import KV_DTYPES, BlockManager
+from engine.kv_connector import KVConnector
+from engine.kv_handoff import KVHandoff
 from engine.kv_host_cache import HostKVCache
-from engine.kv_setup import build_kv, kv_spec_for
+from engine.kv_setup import auto_num_blocks, build_kv, kv_spec_for
 from engine.loader import build_model
 from engine.model_runner import ModelRunner
 from engine.models.parallel import check_tp_settings
@@ -34,7 +37,6 @@ from engine.protocol import SCHEDULING_POLICIES, SamplingParams, trusted
 from engine.quantization import QUANTIZATIONS, resolve
 from engine.quantization import validate as validate_quantization
 from engine.roles import COLOCATED, PREFILL, check_role
-from engine.sampler import skip_draw
 from engine.scheduler import Scheduler, SeqStatus, Sequence, choice_key
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,12 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "never capture decode steps as CUDA graphs (CUDA only; engine.cuda_graphs)"
     )
+    decode_ahead: str = setting(
+        "auto",
+        "launch a greedy decode step before the last one's tokens are read back (auto: with "
+        "CUDA graphs; engine.decode_ahead)",
+        choices=DECODE_AHEAD_MODES,
+    )
     seed: int = setting(0, "seed for dummy weights and sampling")
     device: str | None = setting(None, "torch device (default: cuda when present)", cli=False)
     role: str = setting(COLOCATED, "colocated, prefill or decode", cli=False)
@@ -110,12 +118,14 @@ class EngineConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_role(self.role)
+        if self.decode_ahead not in DECODE_AHEAD_MODES:
+            raise ValueError(f"decode_ahead must be one of {DECODE_AHEAD_MODES}")
         parse_dtype(self.dtype)
         validate_quantization(self.quantization)
         check_tp_settings(self.tensor_parallel_size, self.role, self.load_format)
 
 
-class LLMEngine:
+class LLMEngine(KVHandoff):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -147,6 +157,7 @@ class LLMEngine:
         self._grammars = None  # engine.structured.GrammarCompiler, on first use
         self.num_steps = 0
         self.kv_connector: KVConnector | None = None
+        self.ahead = DecodeAhead(self, config.decode_ahead)
 
     def _build(self, config: EngineConfig, mc: ModelConfig, shard) -> None:
         """The model (this rank's shard with TP), KV cache, scheduler, backend and runner."""
@@ -156,7 +167,9 @@ class LLMEngine:
             shard, group,
         )  # fmt: skip
         self.kv_spec = kv_spec_for(config, mc, shard, self.dtype)
-        num_blocks = config.num_kv_blocks or self._auto_num_blocks()
+        num_blocks = config.num_kv_blocks or auto_num_blocks(
+            self.kv_spec, config, self.device, self.max_model_len
+        )
         self.cache, self.backend = build_kv(self.kv_spec, config, mc, self.device, num_blocks)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
@@ -212,19 +225,6 @@ class LLMEngine:
         log.info("captured %d decode graphs in %.1f s", len(graphs.sizes), time.perf_counter() - t0)
         self.runner.graphs = graphs
 
-    # -- sizing --------------------------------------------------------------------------
-    def _auto_num_blocks(self) -> int:
-        per_block = KVCache.bytes_per_block(self.kv_spec)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.85)
-        else:
-            budget = int((self.config.kv_cache_memory_gb or 1.0) * 2**30)
-        # Never more than the batch could ever use.
-        per_seq = -(-self.max_model_len // self.config.block_size)
-        cap = self.config.max_num_seqs * per_seq + 1
-        return max(1, min(budget // per_block, cap))
-
     # -- requests ------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -249,6 +249,7 @@ class LLMEngine:
     ) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.ahead.drain()  # a new request is admitted by an ordinary step
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
         self.validate_prompt(prompt_token_ids)
@@ -295,6 +296,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Drop a request (every choice of it) wherever it is and free its blocks. False if
         unknown."""
+        self.ahead.drain()
         found = False
         for key in [request_id, *self.groups.pop(request_id, ())]:
             seq = self.seqs.pop(key, None)
@@ -308,135 +310,7 @@ class LLMEngine:
         return found
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
-
-    # -- disaggregation: the scheduler-side half of the KV hand-off (engine/kv_connector.py)
-    def set_kv_connector(self, connector: KVConnector | None) -> None:
-        """The worker that moves KV for this engine: it must have its role's call."""
-        call = ROLE_CALLS.get(self.config.role)
-        if connector is not None and not callable(getattr(connector, call or "", None)):
-            raise TypeError(
-                f"a {self.config.role} engine's KV connector needs {call or 'a role that moves KV'}"
-                f"; {type(connector).__name__} has none"
-            )
-        self.kv_connector = connector
-
-    def release(self, request_id: str) -> None:
-        """Free a prefilled request's blocks once its hand-off is over (or abandoned)."""
-        self.groups.pop(request_id, None)
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq.block_table:
-            self.block_manager.free(seq.block_table)
-
-    def add_remote_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        first_token: int,
-        sampling: SamplingParams,
-        choices: list[tuple[int, int]] | None = None,
-    ) -> None:
-        """Queue a request whose prompt KV (and first token) come from a prefill peer. The
-        scheduler admits it like a local one; then the connector's `on_remote_admitted`
-        gets its blocks to fill. `choices`: the (choice, first token) pairs still to decode
-        when n > 1 (default: choice 0 with `first_token`); they fork from one copy of the KV."""
-        if self.kv_connector is None:
-            raise RuntimeError("add_remote_request needs a KV connector (decode role)")
-        if request_id in self.seqs:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
-        choices = choices or [(0, first_token)]
-        seq = self._new_group(request_id, prompt_token_ids, sampling, [c for c, _ in choices])
-        seq.kv_from_peer = True
-        now = time.perf_counter()
-        for s, (_, token) in zip((seq, *seq.forks), choices, strict=True):
-            # The prompt was scored on the prefill worker: never score it again here.
-            s.prompt_logprobs = [None] * len(prompt_token_ids)
-            s.token_ids.append(token)
-            self._skip_first_draw(s)
-            s.first_token_time = now
-            if s.grammar is not None and not s.grammar.accept(token):
-                raise ValueError(f"first token {token} does not fit the request's grammar")
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
-
-    def _skip_first_draw(self, seq: Sequence) -> None:
-        """A seeded sampled request's generator drew its first token on the prefill worker:
-        make the same draw here, so the rest equal a colocated run of the same seed."""
-        if seq.generator is not None and not seq.sampling.greedy:
-            skip_draw(seq.generator, self.model_config.vocab_size)
-
-    def commit_remote(self, request_id: str) -> list[TokenOutput]:
-        """The peer's KV has landed: join the batch (every choice, forked from one copy of the
-        KV). Returns the final outputs of choices the first token already finished."""
-        seq = self._remote_seq(request_id)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        # Under the request's salt (KVReady carried its SamplingParams): the peer's blocks join
-        # this worker's prefix cache for later requests of the same salt only.
-        seq.num_committed_blocks = self.block_manager.commit(
-            seq.block_table, seq.token_ids, seq.num_computed_tokens, salt=seq.sampling.cache_salt
-        )
-        self.scheduler.add_running(seq)
-        group = [seq, *seq.forks]
-        self._fork(seq)
-        done = []
-        for s in group:
-            reason = self._finish_reason(s, s.token_ids[-1])
-            if reason is not None:
-                self._finish(s, reason)
-                n, cached = s.num_output_tokens, s.num_cached_tokens
-                done.append(
-                    trusted(
-                        TokenOutput, request_id, n, [], reason, s.choice, num_cached_tokens=cached
-                    )
-                )
-        return done
-
-    def recompute_remote(self, request_id: str) -> None:
-        """The peer's KV will not arrive (the transfer is over): prefill the prompt here and
-        continue after the first token the peer already sent. Other choices queue on their own
-        (after their own first tokens; the prefix cache shares what the first one computes)."""
-        seq = self._remote_seq(request_id)
-        forks, seq.forks = seq.forks, []
-        if forks:
-            self.groups[request_id] = [f.request_id for f in forks]
-        for child in forks:
-            self.seqs[child.request_id] = child
-            self.scheduler.add(child)
-        self.scheduler.recompute(seq)
-
-    def _remote_seq(self, request_id: str) -> Sequence:
-        seq = self.seqs[request_id]
-        if seq.status != SeqStatus.REMOTE_KV:
-            raise ValueError(f"request {request_id!r} is {seq.status.value}, not remote_kv")
-        return seq
-
-    def _start_fetches(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            try:
-                reused = seq.num_reused_tokens // self.block_manager.block_size
-                self.kv_connector.on_remote_admitted(seq.request_id, list(seq.block_table), reused)
-            except Exception:
-                # The connector could not even start: the request must not keep its blocks.
-                log.exception("%s: starting the KV fetch failed", seq.request_id)
-                self.abort(seq.request_id)
-
-    def _hand_off(self, seq: Sequence, choices: list[tuple[int, int]]) -> None:
-        """Prefill role: the prompt is done and the request goes on elsewhere; `choices` are
-        the (choice, first token) pairs still running (the first is `seq`'s own when n == 1)."""
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.PREFILLED
-        handoff = Handoff(
-            seq.request_id, list(seq.block_table), choices[0][1], seq.num_prompt_tokens, choices
-        )
-        accepted = False
-        if self.kv_connector is not None:
-            try:
-                accepted = self.kv_connector.on_prefilled(handoff)
-            except Exception:
-                log.exception("%s: the KV hand-off failed", seq.request_id)
-        if not accepted:
-            self.release(seq.request_id)
+        return self.scheduler.has_work() or bool(self.ahead.stash)
 
     def _fork(self, parent: Sequence) -> None:
         """Give each pending fork of `parent` (now past its prompt) the prompt's KV: shared
@@ -465,6 +339,12 @@ class LLMEngine:
 
     # -- the loop ------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
+        if self.ahead.inflight is not None:
+            return self.ahead.advance()
+        return [*self.ahead.take_stash(), *self.step_now()]
+
+    def step_now(self) -> list[TokenOutput]:
+        """An ordinary step (nothing in flight): schedule, run, record."""
         plan = self.scheduler.schedule()
         if plan.fetch:
             self._start_fetches(plan.fetch)
@@ -472,6 +352,9 @@ class LLMEngine:
             return []
         if self.host_cache is not None:
             self.host_cache.wait()  # promoted blocks are copied before the step reads them
+        if self.ahead.may_launch(plan):
+            self.ahead.launch(plan)  # its tokens come back with the next step()
+            return []
         samplers, tokens, entries = self.runner.execute(plan)
         self.num_steps += 1
         for s in plan.scheduled:
@@ -549,13 +432,15 @@ class LLMEngine:
         else:
             self._finish(parent, parent_reason)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        sp = seq.sampling
+    def _finish_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
+        """Why `seq` ends at `token` (None: it goes on); `length`: its tokens through this one
+        (default: all it holds; decode-ahead's sequences hold a placeholder past it)."""
+        sp, length = seq.sampling, seq.num_tokens if length is None else length
         if token in sp.stop_token_ids:
             return "stop"
         if not sp.ignore_eos and token in self.model_config.eos_token_ids:
             return "stop"
-        if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= sp.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 

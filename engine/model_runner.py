@@ -185,6 +185,22 @@ class ModelRunner:
         tokens, entries = sample(logits, samplers, self.generator, self.eos_token_ids)
         return samplers, tokens, entries
 
+    @torch.inference_mode()
+    def launch_greedy(self, plan: StepPlan, feed: torch.Tensor | None) -> torch.Tensor:
+        """A decode-only step's argmax tokens, left on the device (engine.decode_ahead): no
+        host sync. An input id -(k + 1) is a token still on the device, row k of `feed`."""
+        input_ids, positions, meta = self.prepare(plan)
+        if feed is not None:
+            fed = feed[(-input_ids - 1).clamp(min=0)]
+            input_ids = torch.where(input_ids < 0, fed, input_ids)
+        hidden = None if self.graphs is None else self.graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            with forward_context(meta):
+                hidden = self.model(input_ids, positions, self.cache, self.backend)
+        # One row per sequence (decode rows only), as `execute` samples them: the same
+        # logits, the same first-maximum argmax.
+        return self.model.compute_logits(hidden).argmax(dim=-1)
+
     def _score_prompt(self, s: ScheduledSeq, hidden: torch.Tensor) -> None:
         """Append the prompt positions this chunk scores to `seq.prompt_logprobs`: position p+1
         is scored by the logits at p. Positions already scored (before a preemption) are not

@@ -19,8 +19,13 @@ def measures(out: Path) -> list[tuple[str, float, float]]:
     dec, pre, nx = load("decode.json"), load("prefill.json"), load("nixl.json")
     b1, b32 = dec["rows"][0], dec["rows"][-1]
     rows = [
-        ("decode b1 MBU", b1["mbu_step_graphs"], 0.70),
-        (f"decode b{b32['batch']}\nbound / step", b32["bound_s"] / b32["step_graphs_s"], 1 / 1.3),
+        # The steady step (decode-ahead, no sync per step) where the run measured one.
+        ("decode b1 MBU", b1.get("mbu_step_steady") or b1["mbu_step_graphs"], 0.70),
+        (
+            f"decode b{b32['batch']}\nbound / step",
+            b32["bound_s"] / (b32.get("step_steady_s") or b32["step_graphs_s"]),
+            1 / 1.3,
+        ),
         ("prefill 8k MFU", pre["bf16"]["rows"][-1]["mfu"], 0.60),
     ]
     rows += [(f"FP8 / bf16\n{r['tokens']} tok", r["ratio"], 1.5) for r in pre["fp8_speedup"]]

@@ -172,6 +172,12 @@ def headline(out: Path) -> dict:
         "gemm_bf16_tflops": (env.get("gemm_bf16") or {}).get("tflops"),
         "parity_fp32_exact": par.get("fp32_exact"),
         "decode_mbu": {b: r.get("mbu_step_graphs") for b, r in rows.items()},
+        "decode_mbu_steady": {b: r.get("mbu_step_steady") for b, r in rows.items()},
+        "decode_ahead_gain": {
+            b: (r.get("step_steady_no_ahead_s") or 0) / r["step_steady_s"]
+            for b, r in rows.items()
+            if r.get("step_steady_s")
+        },  # fmt: skip
         "decode_graphs_speedup": {b: r.get("graphs_speedup") for b, r in rows.items()},
         "prefill_mfu": [r.get("mfu") for r in (pre.get("bf16") or {}).get("rows", [])],
         "fp8_speedup": pre.get("fp8_speedup"),

@@ -49,6 +49,8 @@ def test_the_results_hold_what_the_readme_quotes(dry_run):
     assert [r["batch"] for r in decode["rows"]] == [1, 4]
     assert all(r["bound_s"] > 0 and r["mbu_step_graphs"] > 0 for r in decode["rows"])
     assert decode["rows"][0]["profile_eager"]["rows"], "no profile"
+    # The steady steps ran with decode-ahead (launched ahead) and without.
+    assert all(r["ahead_launched"] > 0 and r["step_steady_no_ahead_s"] > 0 for r in decode["rows"])
     sweep = decode["kernel_sweep"]  # the paged decode kernel's variants, by the interpreter
     assert {(r["split_len"], r["block_n"]) for r in sweep["rows"]} >= {(32, 32), (128, 32)}
     assert sweep["outputs_agree"], sweep["max_abs_diff"]
