@@ -15,9 +15,10 @@ its `token_ids`, `-(row + 1)` of the launching step's token tensor, which the ne
 input ids resolve on the device. A sequence that turns out to have finished (EOS, a stop
 token) at step N had a row in step N+1 as well: that row is dropped, and its KV write lands
 in blocks already freed, before any later step can reuse them (one stream orders both).
-Anything else (a request arriving, an abort, a transfer landing, a sequence reaching its
-length limit, a prefill) first reads the step in flight back ("drains"), and the engine runs
-its ordinary step. Outputs come one step later than without it; the tokens are the same
+A sequence whose token in flight is its last by length (max_tokens, the context) sits the
+next step out and finishes when read back. Anything else (a request arriving, an abort, a
+transfer landing, a prefill) first reads the step in flight back ("drains"), and the engine
+runs its ordinary step. Outputs come one step later than without it; the tokens are the same
 (tests/engine/test_decode_ahead.py: token-exact with and without, every block freed).
 
 Prefix-cache commits wait for the read-back: a block is committed once the step that wrote
@@ -70,6 +71,7 @@ class DecodeAhead:
         self.inflight: InFlight | None = None
         self.stash: list[TokenOutput] = []  # read back by a drain, returned by the next step
         self.launched = 0  # steps launched ahead (tests assert the path was taken)
+        self.drained = 0  # steps in flight read back before an ordinary step
         self._buffers: list[torch.Tensor] | None = None
 
     # -- when ------------------------------------------------------------------------------
@@ -103,19 +105,34 @@ class DecodeAhead:
 
     def _may_continue(self) -> bool:
         """Whether the next step can be scheduled before the one in flight is read back: no
-        request waiting (admission), every running sequence plain, below its limits, and a
-        slot for each without preempting anyone."""
+        request waiting (admission), every running sequence plain, one at least going on past
+        its placeholder, and a slot for each of those without preempting anyone."""
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        if sched.waiting or not sched.running:
+        if sched.waiting or not any(self._goes_on(seq) for seq in sched.running):
             return False
+        in_flight = {id(seq) for seq, _ in self.inflight.rows}
         needed = 0
         for seq in sched.running:
-            if not (self._plain(seq) and self._goes_on(seq)):
+            if not self._plain(seq) or seq.num_tokens - seq.num_computed_tokens != 1:
                 return False
-            if seq.num_tokens - seq.num_computed_tokens != 1:
-                return False
-            needed += bm.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table)
+            if self._goes_on(seq):
+                needed += bm.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table)
+            elif id(seq) not in in_flight:
+                return False  # only a read-back finishes a sequence sitting a step out
         return needed <= bm.num_free_blocks
+
+    def _schedule_next(self) -> StepPlan:
+        """The next step of the sequences that go on. One whose placeholder is its last token
+        (max_tokens, the context) sits this step out and finishes when it is read back, rather
+        than draining the batch for it."""
+        sched = self.engine.scheduler
+        ending = [seq for seq in sched.running if not self._goes_on(seq)]
+        if ending:
+            sched.running = [seq for seq in sched.running if self._goes_on(seq)]
+        try:
+            return sched.schedule()
+        finally:
+            sched.running += ending
 
     # -- the steps ------------------------------------------------------------------------
     def launch(self, plan: StepPlan, feed: torch.Tensor | None = None) -> None:
@@ -154,13 +171,14 @@ class DecodeAhead:
         or, when the next cannot go ahead, read it back and run an ordinary step."""
         prev = self.inflight
         if self._may_continue():
-            plan = self.engine.scheduler.schedule()
+            plan = self._schedule_next()
             if self.may_launch(plan):
                 self.launch(plan, prev.tokens)
                 return self._read_back(prev)
             # Not reached: _may_continue admits only what may_launch does. Kept as a guard.
             raise RuntimeError("decode-ahead scheduled a step it cannot launch ahead")
         self.inflight = None
+        self.drained += 1
         return self._read_back(prev) + self.engine.step_now()
 
     def drain(self) -> None:

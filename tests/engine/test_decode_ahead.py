@@ -52,6 +52,8 @@ def test_greedy_batches_are_token_exact_and_launched_ahead(llama):
     # Every decode step after the prompts' went ahead; none did without decode_ahead.
     assert ahead.engine.ahead.launched >= max(MAX_TOKENS) - 2
     assert plain.engine.ahead.launched == 0
+    # Requests ending by length sat the next step out: the batch drained once, at its end.
+    assert ahead.engine.ahead.drained == 1
     assert _all_blocks_free(ahead)
 
 
@@ -155,3 +157,21 @@ def test_decode_ahead_mode_is_checked():
 
     with pytest.raises(ValueError):
         EngineConfig(model="x", decode_ahead="sometimes")
+
+
+def test_sequences_ending_at_the_context_window_sit_the_next_step_out(llama):
+    """max_model_len ends some requests before their max_tokens: each sits the step after its
+    last token out (never computed past the window) and the rest go on."""
+    ahead, plain = _llm(llama, "on", max_model_len=40), _llm(llama, "off", max_model_len=40)
+    sps = _greedy([30, 30, 8, 30])
+    got, want = ahead.generate(_prompts(), sps), plain.generate(_prompts(), sps)
+    assert [(o.token_ids, o.finish_reason) for o in got] == [
+        (o.token_ids, o.finish_reason) for o in want
+    ]
+    assert [len(p) + len(o.token_ids) for p, o in zip(_prompts(), got, strict=True)] == [
+        33,
+        40,
+        17,
+        40,
+    ]
+    assert ahead.engine.ahead.drained == 1 and _all_blocks_free(ahead)
