@@ -44,6 +44,7 @@ MODULES = {"env": "benchmarks.gpu.env_probe", "nixl": "benchmarks.gpu.nixl_bandw
 TEST_FILES = [
     "tests/engine/test_triton_attention.py", "tests/engine/test_triton_fused.py",
     "tests/engine/test_cuda_graphs.py", "tests/engine/test_decode_ahead.py",
+    "tests/engine/test_decode_ahead_live.py",
     "tests/kv_transfer/test_kv_transfer.py", "tests/workers/test_handoff.py",
     "tests/engine/test_parity_hf.py", "tests/engine/test_kv_host_cache.py",
     "tests/workers/test_prefix_pull.py",
