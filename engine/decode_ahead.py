@@ -88,7 +88,7 @@ class DecodeAhead:
 
     def _goes_on(self, seq: Sequence) -> bool:
         """Whether `seq` has room for another token after those it holds (placeholders too):
-        one that reaches a limit is drained first, never computed past it."""
+        one at a limit sits the next step out (`_schedule_next`), never computed past it."""
         eng = self.engine
         return (
             seq.num_output_tokens < seq.sampling.max_tokens and seq.num_tokens < eng.max_model_len
