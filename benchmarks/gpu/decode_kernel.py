@@ -22,9 +22,11 @@ from benchmarks.gpu.common import log, stats, sync, timed
 
 # (split_len, block_n, num_warps or None for Triton's 4); (128, 128, None) is the kernel's
 # default for 128-wide heads since run 7 (run 6 had 32 keys; run 7 swept split and block
-# only: 128/128 best at batch 1, 256/64 2% ahead at batch 32). Run 8 adds the warp count.
-VARIANTS = [(64, 64, None), (128, 32, None), (128, 128, None), (256, 64, None), (256, 128, None),
-            (128, 64, 2), (128, 128, 8), (256, 128, 8)]  # fmt: skip
+# only: 128/128 best at batch 1, 256/64 2% ahead at batch 32). Run 8 adds the warp count and
+# 512-token splits (batch 32 has programs to spare: fewer, longer ones may stream better).
+VARIANTS = [(64, 64, None), (128, 32, None), (128, 128, None), (256, 64, None),
+            (256, 128, None), (512, 128, None),
+            (128, 64, 2), (128, 128, 8), (256, 128, 8), (512, 128, 8)]  # fmt: skip
 # The interpreter is slow: the plumbing only.
 QUICK_VARIANTS = [(32, 32, None), (64, 64, None), (128, 32, None), (128, 64, 2)]
 FULL = {"layers": 32, "kv_heads": 8, "heads": 32, "dim": 128, "block": 16, "ctx": 1024}
