@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenOutput
-from engine.protocol import trusted
 from engine.roles import PREFILL
 from engine.scheduler import SeqStatus, Sequence, StepPlan
 
@@ -64,10 +63,16 @@ class DecodeAhead:
         if mode not in MODES:
             raise ValueError(f"decode_ahead must be one of {MODES}, got {mode!r}")
         self.engine = engine
-        self.enabled = mode == "on" or (
+        wanted = mode == "on" or (
             mode == "auto" and engine.device.type == "cuda" and engine.runner.graphs is not None
         )
-        self.enabled = self.enabled and engine.tp is None and engine.host_cache is None
+        # A prefill worker's steps end in a hand-off, not in a next step to launch.
+        self.enabled = (
+            wanted
+            and engine.tp is None
+            and engine.host_cache is None
+            and engine.config.role != PREFILL
+        )
         self.inflight: InFlight | None = None
         self.stash: list[TokenOutput] = []  # read back by a drain, returned by the next step
         self.launched = 0  # steps launched ahead (tests assert the path was taken)
@@ -88,7 +93,7 @@ class DecodeAhead:
 
     def _goes_on(self, seq: Sequence) -> bool:
         """Whether `seq` has room for another token after those it holds (placeholders too):
-        one at a limit sits the next step out (`_schedule_next`), never computed past it."""
+        one at a limit sits the next step out (`_sitting_out`), never computed past it."""
         eng = self.engine
         return (
             seq.num_output_tokens < seq.sampling.max_tokens and seq.num_tokens < eng.max_model_len
@@ -98,37 +103,40 @@ class DecodeAhead:
         """Whether `plan` (already scheduled) may be launched ahead."""
         if not self.enabled or plan.preempted or plan.fetch or not plan.scheduled:
             return False
-        if self.engine.config.role == PREFILL:
-            return False
         rows = plan.scheduled
         return all(s.num_new_tokens == 1 and s.samples and self._plain(s.seq) for s in rows)
 
-    def _may_continue(self) -> bool:
-        """Whether the next step can be scheduled before the one in flight is read back: no
-        request waiting (admission), every running sequence plain, one at least going on past
-        its placeholder, and a slot for each of those without preempting anyone."""
+    def _sitting_out(self) -> list[Sequence] | None:
+        """Whether the next step can be scheduled before the one in flight is read back, and
+        if so which running sequences sit it out; None when it cannot. It can with no request
+        waiting (admission), every running sequence plain with one token to compute, one at
+        least going on, and a slot for each of those without preempting anyone. A sequence
+        whose placeholder is its last token by length (max_tokens, the context) sits the step
+        out and finishes when read back, rather than draining the batch for it."""
         sched, bm = self.engine.scheduler, self.engine.block_manager
-        if sched.waiting or not any(self._goes_on(seq) for seq in sched.running):
-            return False
+        if sched.waiting:
+            return None
         in_flight = {id(seq) for seq, _ in self.inflight.rows}
-        needed = 0
+        ending, needed = [], 0
         for seq in sched.running:
             if not self._plain(seq) or seq.num_tokens - seq.num_computed_tokens != 1:
-                return False
+                return None
             if self._goes_on(seq):
                 needed += bm.blocks_needed(seq.num_computed_tokens + 1) - len(seq.block_table)
-            elif id(seq) not in in_flight:
-                return False  # only a read-back finishes a sequence sitting a step out
-        return needed <= bm.num_free_blocks
+            elif id(seq) in in_flight:
+                ending.append(seq)
+            else:
+                return None  # only a read-back finishes a sequence sitting a step out
+        if len(ending) == len(sched.running) or needed > bm.num_free_blocks:
+            return None
+        return ending
 
-    def _schedule_next(self) -> StepPlan:
-        """The next step of the sequences that go on. One whose placeholder is its last token
-        (max_tokens, the context) sits this step out and finishes when it is read back, rather
-        than draining the batch for it."""
+    def _schedule_next(self, ending: list[Sequence]) -> StepPlan:
+        """The next step of the running sequences but `ending`."""
         sched = self.engine.scheduler
-        ending = [seq for seq in sched.running if not self._goes_on(seq)]
         if ending:
-            sched.running = [seq for seq in sched.running if self._goes_on(seq)]
+            gone = {id(seq) for seq in ending}
+            sched.running = [seq for seq in sched.running if id(seq) not in gone]
         try:
             return sched.schedule()
         finally:
@@ -163,20 +171,22 @@ class DecodeAhead:
         if self._buffers is None:
             pinned = tokens.device.type == "cuda"
             size = self.engine.config.max_num_seqs
-            self._buffers = [torch.empty(size, dtype=tokens.dtype, pin_memory=pinned) for _ in "ab"]
+            self._buffers = [
+                torch.empty(size, dtype=tokens.dtype, pin_memory=pinned) for _ in range(2)
+            ]
         return self._buffers[self.launched % 2][: tokens.shape[0]]
 
     def advance(self) -> list[TokenOutput]:
         """The engine's step while one is in flight: launch the next and read this one back,
         or, when the next cannot go ahead, read it back and run an ordinary step."""
         prev = self.inflight
-        if self._may_continue():
-            plan = self._schedule_next()
-            if self.may_launch(plan):
-                self.launch(plan, prev.tokens)
-                return self._read_back(prev)
-            # Not reached: _may_continue admits only what may_launch does. Kept as a guard.
-            raise RuntimeError("decode-ahead scheduled a step it cannot launch ahead")
+        ending = self._sitting_out()
+        if ending is not None:
+            plan = self._schedule_next(ending)
+            if plan.preempted or not plan.scheduled:  # _sitting_out rules both out
+                raise RuntimeError("decode-ahead scheduled a step it cannot launch ahead")
+            self.launch(plan, prev.tokens)
+            return self._read_back(prev)
         self.inflight = None
         self.drained += 1
         return self._read_back(prev) + self.engine.step_now()
@@ -200,24 +210,15 @@ class DecodeAhead:
         for (seq, pos), token in zip(step.rows, tokens, strict=True):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # finished (or dropped) while this step was in flight: its row is void
-            seq.token_ids[pos] = token
-            # Every position before `pos` has its KV written and waited on.
+            # Every position before `pos` has its KV written and waited on (and its token
+            # read back: `pos` itself gets its token from `_record`).
             seq.num_committed_blocks = eng.block_manager.commit(
                 seq.block_table, seq.token_ids, pos, seq.num_committed_blocks,
                 salt=seq.sampling.cache_salt,
             )  # fmt: skip
-            outputs.append(self._record(seq, pos, token, now))
+            out = eng._record(seq, token, None, now, pos=pos)
+            if out.finish_reason is not None:
+                del seq.token_ids[pos + 1 :]  # a placeholder of the step after: void
+                eng._finish(seq, out.finish_reason)
+            outputs.append(out)
         return outputs
-
-    def _record(self, seq: Sequence, pos: int, token: int, now: float) -> TokenOutput:
-        eng = self.engine
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        reason = eng._finish_reason(seq, token, length=pos + 1)
-        if reason is not None:
-            del seq.token_ids[pos + 1 :]  # a placeholder of the step after: void
-            eng._finish(seq, reason)
-        return trusted(
-            TokenOutput, seq.group_id, pos - seq.num_prompt_tokens, [token], reason, seq.choice,
-            None, None, num_cached_tokens=seq.num_cached_tokens,
-        )  # fmt: skip

@@ -249,10 +249,10 @@ class LLMEngine(KVHandoff):
     ) -> None:
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.ahead.drain()  # a new request is admitted by an ordinary step
         if not isinstance(sampling, SamplingParams):
             raise ValueError("sampling must be a SamplingParams")
         self.validate_prompt(prompt_token_ids)
+        self.ahead.drain()  # a new request is admitted by an ordinary step
         seq = self._new_group(request_id, prompt_token_ids, sampling, range(sampling.n))
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -392,9 +392,16 @@ class LLMEngine(KVHandoff):
                 self._end_prefill(parent, running, parent_reason)
         return outputs
 
-    def _record(self, seq: Sequence, token: int, entry: tuple | None, now: float) -> TokenOutput:
-        """Append a sampled token to `seq` and say what the step produced for it."""
-        seq.token_ids.append(token)
+    def _record(
+        self, seq: Sequence, token: int, entry: tuple | None, now: float, pos: int | None = None
+    ) -> TokenOutput:
+        """Append a sampled token to `seq` (or, decode-ahead, put it at `pos`, its placeholder)
+        and say what the step produced for it."""
+        if pos is None:
+            pos = len(seq.token_ids)
+            seq.token_ids.append(token)
+        else:
+            seq.token_ids[pos] = token
         logprobs = None
         if entry is not None:
             seq.output_logprobs.append(entry)
@@ -404,11 +411,11 @@ class LLMEngine(KVHandoff):
             seq.grammar.accept(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
-        index = seq.num_output_tokens - 1
+        index = pos - seq.num_prompt_tokens
         prompt_logprobs = None
         if index == 0 and seq.choice == 0 and seq.sampling.prompt_logprobs is not None:
             prompt_logprobs = seq.prompt_logprobs
-        reason = self._finish_reason(seq, token)
+        reason = self._finish_reason(seq, token, length=pos + 1)
         return trusted(  # the engine's own values: checked where they came in
             TokenOutput,
             seq.group_id,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -90,16 +89,13 @@ def steady_seconds(engine, device, steps: int = STEPS, repeats: int = 3) -> floa
     """Seconds per step over `steps` back-to-back steps, synced once at the end, as a serving
     loop runs them (a sync per step would hide what decode-ahead overlaps); median of
     `repeats`. The step left in flight is read back inside the timed span."""
-    out = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
+
+    def run() -> None:
         for _ in range(steps):
             engine.step()
         engine.ahead.drain()
-        sync(device)
-        out.append((time.perf_counter() - t0) / steps)
-    return stats(out)["median"]
+
+    return stats(timed(run, device, repeats, warmup=0))["median"] / steps
 
 
 def ahead_rows(engine, device) -> dict:

@@ -81,26 +81,29 @@ def gpu_ops(device=None):
     return TritonOpsTorchRope
 
 
-# device -> whether the engine runs the Triton RoPE there, as decided by the check below (the
-# GPU run records it: a check that failed where the engine ran it once went unnoticed).
+# device -> whether the engine runs the Triton RoPE there: each device's check, run once (the
+# GPU run records these: a check that failed where the engine ran it once went unnoticed).
 ROPE_VERDICTS: dict[str, bool] = {}
 
 
-@functools.cache
 def _rope_checks(device: str) -> bool:
+    if device not in ROPE_VERDICTS:
+        ROPE_VERDICTS[device] = _check_rope(device)
+    return ROPE_VERDICTS[device]
+
+
+def _check_rope(device: str) -> bool:
     from engine.kernels.triton_fused import rope_matches_torch
 
     try:
         agree = rope_matches_torch(device)
     except Exception as exc:  # a kernel that cannot run here is as bad as a wrong one
         log.warning("the Triton RoPE raised %r on %s; RoPE stays in torch", exc, device)
-        ROPE_VERDICTS[device] = False
         return False
     if not all(agree.values()):
         log.warning("the Triton RoPE differs from torch's on %s (%s); RoPE stays in torch",
                     device, agree)  # fmt: skip
-    ROPE_VERDICTS[device] = all(agree.values())
-    return ROPE_VERDICTS[device]
+    return all(agree.values())
 
 
 def enabled() -> bool:

@@ -101,7 +101,7 @@ def test_gpu_ops_keep_the_rope_kernel_only_where_it_equals_torch(monkeypatch):
     torch and the other fused ops stay on."""
     from engine import kernels
 
-    kernels._rope_checks.cache_clear()
+    kernels.ROPE_VERDICTS.clear()
     assert tf.rope_matches_torch(DEVICE) == {"float32": True, "bfloat16": True}
     assert kernels.gpu_ops(DEVICE).rope_ is tf.rope_
 
@@ -114,13 +114,13 @@ def test_gpu_ops_keep_the_rope_kernel_only_where_it_equals_torch(monkeypatch):
         return x
 
     monkeypatch.setattr(tf, "rope_", contracted)
-    kernels._rope_checks.cache_clear()
+    kernels.ROPE_VERDICTS.clear()
     try:
         ops = kernels.gpu_ops(DEVICE)
         assert ops.rope_ is None and ops.add_rms_norm is tf.TritonOps.add_rms_norm
         assert kernels.gpu_ops() is tf.TritonOps  # no device: nothing checked
     finally:
-        kernels._rope_checks.cache_clear()  # the wrong kernel's verdict must not outlive it
+        kernels.ROPE_VERDICTS.clear()  # the wrong kernel's verdict must not outlive it
 
 
 def test_the_rope_check_runs_under_another_default_device():
@@ -130,14 +130,14 @@ def test_the_rope_check_runs_under_another_default_device():
     and the engine silently ran torch's RoPE)."""
     from engine import kernels
 
-    kernels._rope_checks.cache_clear()
+    kernels.ROPE_VERDICTS.clear()
     try:
         with torch.device("meta"):
             assert tf.rope_matches_torch(DEVICE) == {"float32": True, "bfloat16": True}
             assert kernels.gpu_ops(DEVICE).rope_ is tf.rope_
         assert kernels.ROPE_VERDICTS[DEVICE] is True
     finally:
-        kernels._rope_checks.cache_clear()
+        kernels.ROPE_VERDICTS.clear()
 
 
 def test_fp8_token_quantization_matches_the_torch_path():
